@@ -1,0 +1,203 @@
+"""Token streams, packing into fixed-length rows, and the Grain input pipeline.
+
+Each split is one stream: every document's tokens followed by EOS, concatenated. Row `i`
+of length `seq_len` is cut from the window `stream[i*seq_len : i*seq_len + seq_len + 1]`
+(consecutive windows share one token), and becomes
+
+  inputs      = window[:-1]                               int32 [rows, seq_len]
+  targets     = window[1:]                                (-1 = not scored)
+  segment_ids = 1 for the first document piece in the row, +1 after each EOS input (the
+                EOS belongs to the document it ends); 0 = padding
+  positions   = position within the segment, 0 at the row start and after each EOS
+
+Attention is meant to stay within a segment, so a document cut by a row boundary
+restarts at position 0 in the next row.
+
+Training: `make_train_iterator` builds
+
+  MapDataset.range(windows).shuffle(seed).repeat()   # reshuffled every epoch
+      [process_index::process_count]                 # per-host shard, before batching
+      .map(window).batch(batch_size // process_count).map(pack_rows).to_iter_dataset()
+
+and returns its iterator, whose `get_state()` / `set_state()` is a small JSON dict.
+Checkpoint it with Orbax through Grain's handler, e.g. inside a CheckpointManager:
+
+  ocp.args.Composite(..., data=grain.checkpoint.CheckpointSave(iterator))     # save
+  ocp.args.Composite(..., data=grain.checkpoint.CheckpointRestore(iterator))  # restore
+
+(`CheckpointRestore` sets the state of the iterator passed in, in place; each process
+writes `process_<i>-of-<n>.json`.)
+
+Validation: `make_val_batches` covers the validation stream once, in order; padding
+has targets -1, so every real token after the first is scored exactly once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import grain
+import numpy as np
+
+from latent_jax.data.corpus import load_documents, split_documents
+from latent_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+FEATURES = ("inputs", "targets", "segment_ids", "positions")
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+  """The tokenised corpus: what the training loop, eval and the README need."""
+  tokenizer: Tokenizer
+  train_tokens: np.ndarray      # int32 [n_train], documents each followed by EOS
+  val_tokens: np.ndarray        # int32 [n_val]
+  num_docs: dict[str, int]      # {"train": ..., "val": ...}
+  unigram_entropy: float        # nats / token of the training stream's unigram model
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def token_stream(docs_ids: list[list[int]], eos_id: int) -> np.ndarray:
+  """Concatenates tokenised documents, each followed by EOS: int32 [sum(len) + n_docs]."""
+  lengths = np.array([len(d) + 1 for d in docs_ids], np.int64)
+  stream = np.full(int(lengths.sum()), eos_id, np.int32)
+  ends = np.cumsum(lengths)
+  for ids, end in zip(docs_ids, ends):
+    stream[end - 1 - len(ids):end - 1] = ids
+  return stream
+
+
+def num_windows(stream_len: int, seq_len: int) -> int:
+  """Full (unpadded) windows of seq_len + 1 tokens with stride seq_len."""
+  return max(0, (stream_len - 1) // seq_len)
+
+
+def pack_rows(windows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+  """windows int [rows, seq_len + 1] -> the four int32 features, each [rows, seq_len]."""
+  windows = np.asarray(windows, np.int32)
+  inputs, targets = windows[..., :-1], windows[..., 1:]
+  is_end = (inputs == eos_id).astype(np.int32)
+  # A new segment starts at t = 0 and right after an EOS input.
+  segment_ids = 1 + np.cumsum(is_end, axis=-1) - is_end
+  idx = np.broadcast_to(np.arange(inputs.shape[-1], dtype=np.int32), inputs.shape)
+  starts = np.zeros_like(is_end)
+  starts[..., 1:] = is_end[..., :-1]
+  starts[..., 0] = 1
+  positions = idx - np.maximum.accumulate(np.where(starts == 1, idx, 0), axis=-1)
+  return {"inputs": inputs, "targets": targets,
+          "segment_ids": segment_ids.astype(np.int32), "positions": positions.astype(np.int32)}
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+  """Entropy (nats / token) of the empirical unigram distribution: a floor to beat."""
+  counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+  p = counts[counts > 0] / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
+# ----------------------------------------------------------------------------- train
+
+
+def _check_shape(seq_len: int, batch_size: int, process_count: int = 1):
+  if seq_len < 2:
+    raise ValueError(f"data.seq_len={seq_len} must be at least 2 (an input and a target).")
+  if batch_size < 1 or batch_size % process_count:
+    raise ValueError(f"data.batch_size={batch_size} must be a positive multiple of the "
+                     f"process count ({process_count}): it is the global batch.")
+
+
+def _check_fits(n_tokens: int, seq_len: int, batch_size: int):
+  windows = num_windows(n_tokens, seq_len)
+  if windows < batch_size:
+    raise ValueError(
+        f"The training split has {n_tokens} tokens, {windows} rows of data.seq_len="
+        f"{seq_len}, fewer than one batch of data.batch_size={batch_size}; lower "
+        "data.batch_size or data.seq_len, or add text to data.source.")
+
+
+def _shuffle_seed(seed: int) -> int:
+  # Grain reshuffles epoch e with seed + e; mixing the seed first keeps seed 1's first
+  # epoch from being seed 0's second.
+  return int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
+
+
+def make_train_iterator(data: Data, seq_len: int, batch_size: int, seed: int,
+                        process_index: int = 0, process_count: int = 1):
+  """An endless, seeded, checkpointable iterator of this host's training batches.
+
+  Yields {"inputs", "targets", "segment_ids", "positions"}: int32
+  [batch_size // process_count, seq_len]. The hosts' batches at one step, stacked in
+  process order, hold the same rows as the single-host batch of that step.
+  """
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
+  stream = data.train_tokens
+  _check_shape(seq_len, batch_size, process_count)
+  _check_fits(len(stream), seq_len, batch_size)
+  eos_id = data.tokenizer.eos_id
+
+  def window(i):
+    return stream[i * seq_len:i * seq_len + seq_len + 1]
+
+  ds = grain.MapDataset.range(num_windows(len(stream), seq_len))
+  ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat()
+  ds = ds[process_index::process_count]
+  ds = ds.map(window).batch(batch_size // process_count, drop_remainder=True)
+  ds = ds.map(lambda w: pack_rows(w, eos_id))
+  # A couple of threads are plenty (a batch takes microseconds) and leave the CPU cores
+  # to the training step.
+  read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
+  return iter(ds.to_iter_dataset(read_options=read))
+
+
+# ----------------------------------------------------------------------------- val
+
+
+def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int = 0,
+                     process_index: int = 0, process_count: int = 1):
+  """The validation stream once, in order: a list of batches (this host's rows).
+
+  The last window and the last batch are padded (inputs pad_id, targets -1,
+  segment_ids 0, positions 0). `max_batches > 0` keeps only the first batches.
+  """
+  _check_shape(seq_len, batch_size, process_count)
+  stream, pad = data.val_tokens, data.tokenizer.pad_id
+  n = len(stream)
+  rows = -(-(n - 1) // seq_len)
+  n_batches = -(-rows // batch_size)
+  if max_batches > 0:
+    n_batches = min(n_batches, max_batches)
+  padded = np.full(n_batches * batch_size * seq_len + 1, pad, np.int32)
+  padded[:min(n, len(padded))] = stream[:len(padded)]
+  starts = np.arange(n_batches * batch_size)[:, None] * seq_len
+  g = starts + np.arange(seq_len + 1)  # stream position of each window token
+  packed = pack_rows(padded[g], data.tokenizer.eos_id)
+  real_input, real_target = g[:, :-1] < n, g[:, 1:] < n
+  packed["targets"] = np.where(real_target, packed["targets"], -1).astype(np.int32)
+  packed["segment_ids"] = np.where(real_input, packed["segment_ids"], 0).astype(np.int32)
+  packed["positions"] = np.where(real_input, packed["positions"], 0).astype(np.int32)
+  local = batch_size // process_count
+  lo = process_index * local
+  return [{k: v[b * batch_size + lo:b * batch_size + lo + local] for k, v in packed.items()}
+          for b in range(n_batches)]
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def build_data(cfg, workdir: str) -> Data:
+  """Corpus -> document split -> tokenizer (given, reused or trained) -> token streams."""
+  d = cfg.data
+  _check_shape(d.seq_len, d.batch_size)  # before anything heavy
+  docs = load_documents(d.source, d.get("doc_separator", ""))
+  train_docs, val_docs = split_documents(docs, d.val_fraction)
+  os.makedirs(workdir, exist_ok=True)
+  tok = load_or_train_tokenizer(d, cfg.model.vocab_size, workdir, train_docs)
+  # Re-tokenising is cheap (the KJV: ~1 s), so streams are not cached on disk.
+  train = token_stream(tok.encode_batch(train_docs), tok.eos_id)
+  val = token_stream(tok.encode_batch(val_docs), tok.eos_id)
+  _check_fits(len(train), d.seq_len, d.batch_size)
+  return Data(tokenizer=tok, train_tokens=train, val_tokens=val,
+              num_docs={"train": len(train_docs), "val": len(val_docs)},
+              unigram_entropy=unigram_entropy(train, tok.vocab_size))

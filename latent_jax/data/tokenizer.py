@@ -1,0 +1,134 @@
+"""SentencePiece tokenizer: load a given `.model`, reuse the workdir's, or train BPE.
+
+The trained tokenizer is lossless: identity normalisation, no dummy prefix, whitespace
+kept as is and "\\n" a piece of its own, so `decode(encode(x)) == x` and the bytes of
+the pieces (`token_bytes`) add up to the text's UTF-8 length; bits-per-byte is exact.
+`model.vocab_size` is an upper bound: on a corpus too small to learn that many merges
+the tokenizer comes out smaller (the embedding rows past it are simply unused).
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+TOKENIZER_FILENAME = "tokenizer.model"
+_MAX_SENTENCE_BYTES = 8192
+_INPUT_SENTENCES = 300_000  # SentencePiece samples this many sentences; the KJV has ~90k
+_SENTENCE_END = re.compile(r"(?<=[.!?;:])(?=\s)")
+
+
+class Tokenizer:
+  """A thin wrapper over `sentencepiece.SentencePieceProcessor`."""
+
+  def __init__(self, path: str):
+    self.path = os.fspath(path)
+    self.sp = spm.SentencePieceProcessor(model_file=self.path)
+    self.vocab_size: int = self.sp.get_piece_size()
+    self.eos_id: int = self.sp.eos_id()
+    self.bos_id: int = self.sp.bos_id()  # -1 when the model has none
+    # Padding is only ever an input under a target of -1; EOS serves when the model
+    # was trained without a pad piece.
+    self.pad_id: int = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
+    if self.eos_id < 0:
+      raise ValueError(f"data.tokenizer: {self.path} has no EOS piece; documents are "
+                       "separated by EOS, so train it with eos_id >= 0.")
+    self.token_bytes = _token_bytes(self.sp)
+
+  def encode(self, text: str) -> list[int]:
+    return self.sp.encode(text)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self.sp.encode(list(texts))
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self.sp.decode([int(i) for i in ids])
+
+  def __repr__(self) -> str:
+    return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _token_bytes(sp: spm.SentencePieceProcessor) -> np.ndarray:
+  """UTF-8 bytes each piece stands for: `[vocab_size]` int32, for bits-per-byte.
+
+  "▁" is one space byte, a byte-fallback piece one byte, control and unknown pieces 0.
+  """
+  out = np.zeros(sp.get_piece_size(), np.int32)
+  for i in range(sp.get_piece_size()):
+    if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+      continue
+    out[i] = 1 if sp.is_byte(i) else len(sp.id_to_piece(i).replace("\u2581", " ").encode())
+  return out
+
+
+def _sentences(docs: Sequence[str]) -> Iterator[str]:
+  """Training sentences: lines, cut after sentence punctuation so that none is too long.
+
+  The whitespace after the punctuation stays at the start of the next piece, so its
+  first word is learnt with its "▁" as it appears inside running text.
+  """
+  for doc in docs:
+    for line in doc.split("\n"):
+      for piece in _SENTENCE_END.split(line):
+        if piece.strip():
+          yield piece
+
+
+def train_tokenizer(docs: Sequence[str], vocab_size: int, path: str) -> float:
+  """Trains SentencePiece BPE on `docs` and writes it atomically to `path`; returns secs."""
+  t0 = time.perf_counter()
+  model = io.BytesIO()
+  spm.set_random_generator_seed(0)  # sentence sampling; one thread keeps merges fixed
+  try:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=_sentences(docs), model_writer=model,
+        model_type="bpe", vocab_size=vocab_size, byte_fallback=True,
+        character_coverage=0.9995, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=False,
+        allow_whitespace_only_pieces=True, split_digits=True,
+        user_defined_symbols=["\n"], unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+        max_sentence_length=_MAX_SENTENCE_BYTES, input_sentence_size=_INPUT_SENTENCES,
+        shuffle_input_sentence=True, hard_vocab_limit=False, num_threads=1, minloglevel=2)
+  except RuntimeError as e:
+    raise ValueError(f"model.vocab_size={vocab_size}: SentencePiece could not train a BPE "
+                     f"tokenizer of that size on the training split ({e}); change "
+                     "model.vocab_size as it says, or give data.tokenizer.") from e
+  folder = os.path.dirname(os.path.abspath(path))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tokenizer.", suffix=".tmp")
+  with os.fdopen(fd, "wb") as f:
+    f.write(model.getvalue())
+  os.replace(tmp, path)  # readers never see a half-written model
+  return time.perf_counter() - t0
+
+
+def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str,
+                            train_docs: Sequence[str]) -> Tokenizer:
+  """`data.tokenizer` if given, else `WORKDIR/tokenizer.model` if present, else train one.
+
+  A workdir's tokenizer is never retrained: a resumed run must see the same ids.
+  """
+  given = getattr(data_cfg, "tokenizer", "") or ""
+  if given:
+    given = os.path.expanduser(given)
+    if not os.path.isfile(given):
+      raise FileNotFoundError(f"data.tokenizer: {given!r} does not exist; give a "
+                              "SentencePiece .model file, or '' to train one.")
+    tok, origin = Tokenizer(given), f"data.tokenizer={given!r}"
+  else:
+    path = os.path.join(workdir, TOKENIZER_FILENAME)
+    if not os.path.isfile(path):
+      train_tokenizer(train_docs, vocab_size, path)
+    tok, origin = Tokenizer(path), path
+  if tok.vocab_size > vocab_size:
+    raise ValueError(
+        f"{origin} has {tok.vocab_size} pieces but model.vocab_size={vocab_size}; set "
+        f"model.vocab_size >= {tok.vocab_size}" +
+        ("." if given else ", or use a fresh workdir to train a new tokenizer."))
+  return tok
