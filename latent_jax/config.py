@@ -1,0 +1,149 @@
+"""Config files (`get_config()` in a .py file), `a.b=v` overrides, and validation.
+
+Validation runs before anything is traced or compiled, and every error names the field
+and what to do about it.
+"""
+import ast
+import importlib.util
+import os
+
+import ml_collections
+
+KERNEL_IMPLS = ("auto", "pallas", "pallas_interpret", "xla", "naive")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the field and the fix."""
+
+
+def load_config(path, overrides=()):
+  """Load `get_config()` from the file at `path`, apply `a.b=v` overrides, validate."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config {path!r}: no such file; pass a config file such as configs/tiny.py.")
+  spec = importlib.util.spec_from_file_location(f"latent_jax_config_{abs(hash(path))}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"--config {path!r} defines no get_config(); it must return an ml_collections.ConfigDict.")
+  cfg = module.get_config()
+  for item in overrides:
+    apply_override(cfg, item)
+  validate(cfg)
+  return cfg
+
+
+def apply_override(cfg, item):
+  """Set `a.b.c=value` in cfg, parsing value by the type of the field it replaces."""
+  key, sep, raw = item.partition("=")
+  key = key.removeprefix("--").removeprefix("config.")
+  if not sep:
+    raise ConfigError(f"override {item!r}: write it as --config.{key}=VALUE.")
+  *parents, leaf = key.split(".")
+  node = cfg
+  for i, name in enumerate(parents):
+    if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+      raise ConfigError(f"override {item!r}: {'.'.join(parents[:i + 1])} is not a config section; "
+                        f"sections are {sorted(k for k, v in node.items() if isinstance(v, ml_collections.ConfigDict))}.")
+    node = node[name]
+  if leaf not in node:
+    raise ConfigError(f"override {item!r}: {key} is not a config field; fields here are {sorted(node.keys())}.")
+  node[leaf] = parse_value(raw, node[leaf], key)
+
+
+def parse_value(raw, current, key):
+  try:
+    if isinstance(current, bool):
+      if raw.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(raw)
+      return raw.lower() in ("true", "1")
+    if isinstance(current, int):
+      return int(raw)
+    if isinstance(current, float):
+      return float(raw)
+    if isinstance(current, str) or current is None:
+      return raw
+    return type(current)(ast.literal_eval(raw))
+  except (ValueError, SyntaxError):
+    raise ConfigError(f"--config.{key}={raw}: expected a {type(current).__name__}.") from None
+
+
+def check(ok, field, message):
+  if not ok:
+    raise ConfigError(f"{field}: {message}")
+
+
+def check_choice(value, field, choices):
+  check(value in choices, field, f"{value!r} is not one of {list(choices)}.")
+
+
+def validate(cfg):
+  """Reject impossible settings before anything is traced."""
+  for section in ("model", "data", "train", "optim", "mesh", "kernels"):
+    check(section in cfg, section, "missing section; start from configs/tiny.py.")
+  m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
+  check_choice(m.name, "model.name", ("baseline",))
+  for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+    check(isinstance(m[f], int) and m[f] > 0, f"model.{f}", f"must be a positive integer, got {m[f]!r}.")
+  check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
+        f"{m.num_kv_heads} does not divide model.num_heads={m.num_heads}; pick a divisor of it.")
+  check(m.head_dim % 2 == 0, "model.head_dim", f"{m.head_dim} is odd; RoPE rotates pairs, use an even size.")
+  check_choice(m.qk_norm, "model.qk_norm", ("none", "layer", "head"))
+  check_choice(m.block_order, "model.block_order", ("post", "pre"))
+  check_choice(m.param_dtype, "model.param_dtype", DTYPES)
+  check_choice(m.dtype, "model.dtype", DTYPES)
+  check(m.window >= 0, "model.window", "must be >= 0 (0 = no sliding window).")
+  check(m.full_attention_every >= 1, "model.full_attention_every", "must be >= 1 (1 = every layer full).")
+  check(m.rope_base > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_base/norm_eps/init_std", "must be > 0.")
+
+  check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}.")
+  check(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}.")
+  check(0 < d.val_fraction < 1, "data.val_fraction", f"must lie in (0, 1), got {d.val_fraction}.")
+  check(isinstance(d.source, str) and d.source.strip() != "", "data.source",
+        "is empty; use 'kjv' or a path to .txt/.jsonl files.")
+
+  check(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}.")
+  for f in ("log_every", "checkpoint_every", "keep_checkpoints"):
+    check(t[f] >= 1, f"train.{f}", f"must be >= 1, got {t[f]}.")
+  check(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every/eval_batches", "must be >= 0 (0 = off / all).")
+  check(t.z_loss >= 0, "train.z_loss", "must be >= 0.")
+  check(t.peak_flops >= 0, "train.peak_flops", "must be >= 0 (0 = known or measured).")
+
+  check_choice(o.name, "optim.name", ("adamw", "muon"))
+  check_choice(o.schedule, "optim.schedule", ("cosine", "wsd", "constant"))
+  check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}.")
+  check(0 <= o.warmup_steps < t.steps, "optim.warmup_steps",
+        f"{o.warmup_steps} must lie in [0, train.steps={t.steps}).")
+  check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}.")
+  check(0 < o.decay_fraction <= 1, "optim.decay_fraction", f"must lie in (0, 1], got {o.decay_fraction}.")
+  check(o.clip_norm >= 0 and o.weight_decay >= 0, "optim.clip_norm/weight_decay", "must be >= 0 (0 = off).")
+
+  for axis in ("data", "fsdp", "tensor"):
+    size = cfg.mesh[axis]
+    check(isinstance(size, int) and (size == -1 or size >= 1), f"mesh.{axis}",
+          f"{size!r} must be >= 1, or -1 to take the devices left over.")
+  check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh.data/fsdp/tensor",
+        "at most one may be -1 (fill).")
+  check_choice(cfg.kernels.impl, "kernels.impl", KERNEL_IMPLS)
+  return cfg
+
+
+def parse_cli(argv):
+  """Split `--config PATH --config.a.b=v --workdir DIR --other=x` into (path, overrides, flags)."""
+  path, overrides, flags = None, [], {}
+  args = list(argv)
+  while args:
+    arg = args.pop(0)
+    if not arg.startswith("--"):
+      raise SystemExit(f"unexpected argument {arg!r}; flags look like --name=value")
+    name, eq, value = arg[2:].partition("=")
+    if name.startswith("config."):
+      overrides.append(arg[2:] if eq else f"{name}={args.pop(0) if args else ''}")
+      continue
+    if not eq:
+      value = args.pop(0) if args and not args[0].startswith("--") else "true"
+    if name == "config":
+      path = value
+    else:
+      flags[name.replace("-", "_")] = value
+  return path, overrides, flags

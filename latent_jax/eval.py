@@ -1,0 +1,41 @@
+"""python -m latent_jax.eval --workdir DIR [--step=N] [--batches=0]
+
+Validation loss (nats/token) and bits per byte on the held-out split of the run's data, for the
+latest (or a named) checkpoint of a workdir, or for an export folder. The split and tokenizer are
+rebuilt from the saved config exactly as in training.
+"""
+import json
+import sys
+
+from latent_jax.config import parse_cli
+from latent_jax.data import build_data, make_val_batches
+from latent_jax.infer import load
+from latent_jax.train import sharding
+from latent_jax.train import step as steps
+
+
+def evaluate_dir(directory, step=None, max_batches=0):
+  cfg, step = load.load_config(directory, step)
+  graphdef, params = load.load_params(directory, cfg, step)
+  data = build_data(cfg, directory)
+  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches)
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1  # evaluation runs data-parallel only
+  mesh = sharding.make_mesh(cfg.mesh)
+  _, abstract = steps.abstract_model(cfg.model)
+  from flax import nnx
+  param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+  eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh)
+  result = steps.evaluate(eval_step, params, batches, steps.scored_bytes(batches, data.tokenizer.token_bytes), mesh)
+  return {"step": step, **result}
+
+
+def main(argv):
+  _, _, flags = parse_cli(argv)
+  if "workdir" not in flags:
+    raise SystemExit(__doc__)
+  print(json.dumps(evaluate_dir(flags["workdir"], int(flags["step"]) if "step" in flags else None,
+                                int(flags.get("batches", 0)))))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

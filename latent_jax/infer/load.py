@@ -1,0 +1,60 @@
+"""Load params, config and tokenizer from a training workdir or from an export folder.
+
+A training workdir holds `checkpoints/STEP/{params,...}` with the config in each checkpoint's
+metadata and `tokenizer.model` beside them; an export folder (`python -m latent_jax.export`)
+holds `params/`, `config.json` and `tokenizer.model`.
+"""
+import json
+import os
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from latent_jax.data.tokenizer import Tokenizer
+from latent_jax.train import checkpoint
+from latent_jax.train import step as steps
+
+
+def is_export(directory):
+  return os.path.isfile(os.path.join(directory, "config.json")) and os.path.isdir(os.path.join(directory, "params"))
+
+
+def load_config(directory, step=None):
+  """(config, step) of a workdir's latest (or given) checkpoint, or of an export folder."""
+  if is_export(directory):
+    with open(os.path.join(directory, "config.json")) as f:
+      return checkpoint.config_from_json(json.load(f)), None
+  ckpts = checkpoint.Checkpoints(directory)
+  step = step or ckpts.latest_step()
+  if step is None:
+    raise FileNotFoundError(f"--workdir {directory!r} has no checkpoints and is not an export folder; "
+                            f"train first (python -m latent_jax.train ... --workdir {directory}).")
+  return checkpoint.config_from_json(ckpts.restore_meta(step)["config"]), step
+
+
+def load_params(directory, cfg, step=None):
+  graphdef, abstract = steps.abstract_model(cfg.model)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract))
+  if is_export(directory):
+    params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")), target)
+  else:
+    params = checkpoint.Checkpoints(directory).restore_params(step, target)
+  return graphdef, params
+
+
+def load_tokenizer(directory, cfg):
+  path = os.path.join(directory, "tokenizer.model")
+  if not os.path.isfile(path):
+    path = cfg.data.tokenizer
+  if not path or not os.path.isfile(path):
+    raise FileNotFoundError(f"no tokenizer.model in {directory!r} and data.tokenizer={cfg.data.tokenizer!r} "
+                            "is not a file; copy the run's tokenizer.model there.")
+  return Tokenizer(path)
+
+
+def load_model(directory, step=None):
+  """(model, config, tokenizer) from a workdir or an export folder."""
+  cfg, step = load_config(directory, step)
+  graphdef, params = load_params(directory, cfg, step)
+  return nnx.merge(graphdef, params), cfg, load_tokenizer(directory, cfg)

@@ -1,0 +1,138 @@
+"""Thin Flax NNX layers over `latent_jax.ops.transformer`; each parameter names its logical axes.
+
+The `axes` metadata of every `nnx.Param` is read by `latent_jax.train.sharding`, which maps it
+to mesh axes through one rules table. Stacked (scanned) parameters carry one extra leading
+layer axis that is not named; the sharding code treats it as replicated.
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from latent_jax.ops import transformer as T
+
+
+def param(rngs, shape, axes, std, dtype):
+  return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std, axes=axes)
+
+
+def ones(shape, axes, dtype):
+  return nnx.Param(jnp.ones(shape, dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim, eps, dtype):
+    self.scale = ones((dim,), ("norm",), dtype)
+    self.eps = eps
+
+  def __call__(self, x):
+    return T.rms_norm(x, self.scale[...], self.eps)
+
+
+class Attention(nnx.Module):
+  """GQA with RoPE, optional QK-norm and an optional KV cache for decoding."""
+
+  def __init__(self, cfg, rngs):
+    d, h, k, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    pd, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+    self.q = param(rngs, (d, h * hd), ("embed", "heads"), std, pd)
+    self.k = param(rngs, (d, k * hd), ("embed", "kv_heads"), std, pd)
+    self.v = param(rngs, (d, k * hd), ("embed", "kv_heads"), std, pd)
+    self.o = param(rngs, (h * hd, d), ("heads", "embed"), std, pd)
+    self.qk_norm = cfg.qk_norm
+    if cfg.qk_norm == "layer":    # OLMo-3: one norm over the whole q (and k) projection
+      self.q_norm, self.k_norm = RMSNorm(h * hd, cfg.norm_eps, pd), RMSNorm(k * hd, cfg.norm_eps, pd)
+    elif cfg.qk_norm == "head":   # per-head norm over head_dim, shared by heads
+      self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps, pd), RMSNorm(hd, cfg.norm_eps, pd)
+    self.shape = (h, k, hd)
+    self.rope_base = cfg.rope_base
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x, positions, segment_ids, window, cache=None, cache_index=None):
+    h, k, hd = self.shape
+    b, t, _ = x.shape
+    w = lambda p: p[...].astype(self.dtype)
+    q, key, val = x @ w(self.q), x @ w(self.k), x @ w(self.v)
+    if self.qk_norm == "layer":
+      q, key = self.q_norm(q), self.k_norm(key)
+    q, key, val = q.reshape(b, t, h, hd), key.reshape(b, t, k, hd), val.reshape(b, t, k, hd)
+    if self.qk_norm == "head":
+      q, key = self.q_norm(q), self.k_norm(key)
+    q, key = T.rope(q, positions, self.rope_base), T.rope(key, positions, self.rope_base)
+    if cache is None:
+      mask = T.attention_mask(positions, positions, segment_ids, segment_ids, window)
+    else:  # decoding: slot i of the cache holds absolute position i of one document
+      key = jax.lax.dynamic_update_slice(cache["k"], key.astype(cache["k"].dtype), (0, cache_index, 0, 0))
+      val = jax.lax.dynamic_update_slice(cache["v"], val.astype(cache["v"].dtype), (0, cache_index, 0, 0))
+      cache = {"k": key, "v": val}
+      slots = jnp.broadcast_to(jnp.arange(key.shape[1]), (b, key.shape[1]))
+      mask = T.attention_mask(positions, slots, segment_ids, jnp.zeros_like(slots) + segment_ids[:, :1], window)
+    out = T.attention(q, key.astype(self.dtype), val.astype(self.dtype), mask)
+    return out.reshape(b, t, h * hd) @ w(self.o), cache
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg, rngs):
+    d, f, pd, std = cfg.d_model, cfg.mlp_dim, jnp.dtype(cfg.param_dtype), cfg.init_std
+    self.gate = param(rngs, (d, f), ("embed", "mlp"), std, pd)
+    self.up = param(rngs, (d, f), ("embed", "mlp"), std, pd)
+    self.down = param(rngs, (f, d), ("mlp", "embed"), std, pd)
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x):
+    w = lambda p: p[...].astype(self.dtype)
+    return T.swiglu(x, w(self.gate), w(self.up), w(self.down))
+
+
+class Block(nnx.Module):
+  """One transformer block. `post` (OLMo-3): x + norm(f(x)); `pre`: x + f(norm(x))."""
+
+  def __init__(self, cfg, rngs):
+    pd = jnp.dtype(cfg.param_dtype)
+    self.attn, self.mlp = Attention(cfg, rngs), MLP(cfg, rngs)
+    self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd), RMSNorm(cfg.d_model, cfg.norm_eps, pd)
+    self.post_norm = cfg.block_order == "post"
+
+  def __call__(self, x, positions, segment_ids, window, cache=None, cache_index=None):
+    if self.post_norm:
+      a, cache = self.attn(x, positions, segment_ids, window, cache, cache_index)
+      x = x + self.attn_norm(a)
+      return x + self.mlp_norm(self.mlp(x)), cache
+    a, cache = self.attn(self.attn_norm(x), positions, segment_ids, window, cache, cache_index)
+    x = x + a
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+
+class BlockStack(nnx.Module):
+  """`num_layers` blocks with stacked parameters, applied with `jax.lax.scan`.
+
+  Scanning keeps compile time flat in depth; `remat` recomputes each block in the backward
+  pass instead of storing its activations.
+  """
+
+  def __init__(self, cfg, num_layers, rngs):
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return Block(cfg, rngs)
+
+    self.blocks = make(rngs)
+    self.num_layers = num_layers
+    self.windows = (num_layers, cfg.window, cfg.full_attention_every)
+    self.remat = cfg.remat
+
+  def __call__(self, x, positions, segment_ids, cache=None, cache_index=None):
+    graphdef, state = nnx.split(self.blocks)
+
+    def body(x, layer):
+      params, window, layer_cache = layer
+      x, layer_cache = nnx.merge(graphdef, params)(x, positions, segment_ids, window, layer_cache, cache_index)
+      return x, layer_cache
+
+    if self.remat:
+      body = jax.checkpoint(body, prevent_cse=False)
+    x, cache = jax.lax.scan(body, x, (state, T.layer_windows(*self.windows), cache))
+    return x, cache
+
+  def init_cache(self, cfg, batch, length, dtype):
+    shape = (self.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}

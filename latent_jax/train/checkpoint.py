@@ -1,0 +1,72 @@
+"""Orbax checkpoints of a run: params, optimiser state, data iterator state and metadata.
+
+Layout: WORKDIR/checkpoints/STEP/{params, opt_state, data, meta}. `params` is its own item
+so evaluation, generation and export restore it without the optimiser. Saves are async;
+an interrupted save leaves only a temporary folder that the next start ignores and removes.
+"""
+import json
+import os
+
+import grain
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+
+class Checkpoints:
+  def __init__(self, workdir, keep=2, async_save=True):
+    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self):
+    return self.manager.latest_step()
+
+  def path(self, step):
+    return os.path.join(self.directory, str(step))
+
+  def save(self, step, state, data_iterator, meta):
+    """Save the train state {"params", "opt_state", "step"}, the data iterator and a JSON dict."""
+    args = dict(params=ocp.args.StandardSave(state["params"]), opt_state=ocp.args.StandardSave(state["opt_state"]),
+                meta=ocp.args.JsonSave({**meta, "step": int(step)}))
+    if data_iterator is not None:
+      args["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+    self.manager.save(step, args=ocp.args.Composite(**args), force=True)
+
+  def restore(self, step, abstract_state, data_iterator):
+    """Restore into arrays shaped and sharded like `abstract_state`; the iterator in place."""
+    args = dict(params=ocp.args.StandardRestore(abstract_state["params"]),
+                opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]), meta=ocp.args.JsonRestore())
+    if data_iterator is not None:
+      args["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+    out = self.manager.restore(step, args=ocp.args.Composite(**args))
+    step_array = jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), abstract_state["step"].sharding)
+    return {"params": out["params"], "opt_state": out["opt_state"], "step": step_array}, out["meta"]
+
+  def restore_params(self, step, abstract_params):
+    out = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+    return out["params"]
+
+  def restore_meta(self, step):
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def wait(self):
+    self.manager.wait_until_finished()
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+
+def abstract_like(tree, shardings):
+  """ShapeDtypeStructs carrying the target shardings, for restoring onto a mesh."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def config_to_json(cfg):
+  return json.loads(cfg.to_json_best_effort())
+
+
+def config_from_json(obj):
+  return ml_collections.ConfigDict(obj)

@@ -1,0 +1,69 @@
+"""FLOPs per token (matmuls plus causal, window-aware attention) and the peak they are measured against.
+
+Counting follows the usual convention: a multiply-add is 2 FLOPs, the backward pass costs
+twice the forward, embedding gathers are free, and attention over a causal mask counts only
+the keys each query can see (so a sliding window costs less than full attention).
+"""
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Dense bf16 peak FLOP/s per device, from vendor data sheets.
+KNOWN_PEAK_FLOPS = {
+    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12, "NVIDIA H100": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100": 312e12,
+    "NVIDIA B200": 2250e12, "NVIDIA GB200": 2500e12,
+}
+
+
+def mean_visible_keys(seq_len, window):
+  """Average over query positions t of min(t+1, window): keys a causal query attends to."""
+  t = np.arange(1, seq_len + 1)
+  return float(np.minimum(t, window).mean())
+
+
+def block_flops_per_token(m, seq_len, window):
+  """Forward FLOPs of one transformer block for one token at training length seq_len."""
+  d, h, k, hd, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+  matmul = 2 * (d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * f)
+  attention = 4 * h * hd * mean_visible_keys(seq_len, window)  # q k^T and probs v
+  return matmul + attention
+
+
+def stack_flops_per_token(m, num_layers, seq_len):
+  """Forward FLOPs per token of `num_layers` blocks under the config's window pattern."""
+  from latent_jax.ops.transformer import layer_windows
+  windows = np.asarray(layer_windows(num_layers, m.window, m.full_attention_every))
+  return sum(block_flops_per_token(m, seq_len, int(w)) for w in windows)
+
+
+def baseline_flops_per_token(m, seq_len):
+  """Training FLOPs per token (forward + backward = 3x forward) of the baseline decoder."""
+  forward = stack_flops_per_token(m, m.num_layers, seq_len) + 2 * m.d_model * m.vocab_size
+  return 3 * forward
+
+
+def peak_flops(configured=0.0, dtype=jnp.float32):
+  """Per-device peak: the configured value, else the data sheet for the device, else measured."""
+  if configured:
+    return float(configured), "config"
+  kind = jax.devices()[0].device_kind
+  for name, value in KNOWN_PEAK_FLOPS.items():
+    if kind.startswith(name):
+      return value, kind
+  return measure_matmul_peak(dtype), f"measured {kind} matmul"
+
+
+def measure_matmul_peak(dtype=jnp.float32, n=1024, repeats=5):
+  """FLOP/s of a jitted square matmul on the default device: this machine's practical peak."""
+  a = jnp.ones((n, n), dtype)
+  matmul = jax.jit(lambda x: x @ x)
+  matmul(a).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    matmul(a).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return 2 * n**3 / float(np.median(times))

@@ -1,0 +1,97 @@
+"""The train state, its shardings, and the jitted train and eval steps.
+
+The state is a plain pytree {"params", "opt_state", "step"}; the model is rebuilt inside the
+step from its graph definition (`nnx.merge`), which keeps the jitted function pure and fast.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from latent_jax import objectives
+from latent_jax.nn import build_model
+from latent_jax.train import sharding
+
+
+def axes_tree(state):
+  """The logical axes of every parameter, as a dict shaped like `nnx.to_pure_dict(state)`."""
+  if isinstance(state, nnx.Variable):
+    return tuple(state.get_metadata().get("axes", ()))
+  return {k: axes_tree(v) for k, v in state.items()}
+
+
+def abstract_model(model_cfg):
+  """(graphdef, abstract param state) of the model, allocating nothing."""
+  return nnx.split(nnx.eval_shape(lambda: build_model(model_cfg, nnx.Rngs(0))))
+
+
+def state_shardings(abstract_params, tx, mesh):
+  """NamedShardings of {"params", "opt_state", "step"}: optimiser moments follow their params.
+
+  An optimiser-state leaf shares the sharding of the parameter whose dict path ends its own
+  path and whose shape it has (optax nests moments under its own wrappers); others replicate.
+  """
+  params = nnx.to_pure_dict(sharding.state_shardings(abstract_params, mesh))
+  shapes = nnx.to_pure_dict(abstract_params)
+  by_path = {dict_keys(path): (s, shapes_leaf.shape) for (path, s), shapes_leaf in
+             zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shapes))}
+
+  def follow(path, leaf):
+    keys = dict_keys(path)
+    for start in range(len(keys)):
+      hit = by_path.get(keys[start:])
+      if hit and hit[1] == leaf.shape:
+        return hit[0]
+    return sharding.replicated(mesh)
+
+  opt = jax.tree_util.tree_map_with_path(follow, jax.eval_shape(tx.init, shapes))
+  return {"params": params, "opt_state": opt, "step": sharding.replicated(mesh)}
+
+
+def dict_keys(path):
+  return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def init_state(model_cfg, seed, tx, shardings):
+  """Initialise params and optimiser state directly into their shardings (jit out_shardings)."""
+  def init():
+    params = nnx.to_pure_dict(nnx.state(build_model(model_cfg, nnx.Rngs(seed))))
+    return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_objective):
+  def train_step(state, batch):
+    def loss_fn(params):
+      return objective(nnx.merge(graphdef, params), batch, cfg)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+  return jax.jit(train_step, in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                 out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+
+
+def make_eval_step(graphdef, cfg, param_shardings, mesh):
+  def eval_step(params, batch):
+    return objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
+  return jax.jit(eval_step, in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+
+
+def scored_bytes(batches, token_bytes):
+  """UTF-8 bytes of all scored target tokens: the denominator of bits per byte."""
+  return sum(int(token_bytes[b["targets"][b["targets"] >= 0]].sum()) for b in batches)
+
+
+def evaluate(eval_step, params, batches, num_bytes, mesh):
+  """Mean next-token loss (nats) and bits per byte over `batches`."""
+  nll, count = 0.0, 0
+  for b in batches:
+    s, n = eval_step(params, sharding.global_batch(b, mesh))
+    nll, count = nll + float(s), count + int(n)
+  return {"val_loss": nll / max(count, 1), "val_bpb": nll / math.log(2) / max(num_bytes, 1)}

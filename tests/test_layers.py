@@ -1,0 +1,112 @@
+"""Each layer of the baseline against a NumPy re-derivation of its equation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import numpy_ref as ref
+from latent_jax.nn.layers import Attention, Block
+from latent_jax.ops import transformer as T
+
+rng = np.random.default_rng(0)
+
+
+def test_rms_norm():
+  x, scale = rng.normal(size=(3, 5, 16)), rng.normal(size=16)
+  got = T.rms_norm(jnp.asarray(x, jnp.float32), jnp.asarray(scale, jnp.float32), 1e-6)
+  np.testing.assert_allclose(got, ref.rms_norm(x, scale, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_matches_pairwise_rotation():
+  x = rng.normal(size=(2, 7, 3, 8))
+  pos = rng.integers(0, 1000, size=(2, 7))
+  got = T.rope(jnp.asarray(x, jnp.float32), jnp.asarray(pos), 500_000.0)
+  np.testing.assert_allclose(got, ref.rope(x, pos, 500_000.0), rtol=1e-4, atol=1e-4)
+
+
+def test_rope_is_relative():
+  """<rope(q, m), rope(k, n)> depends only on m - n."""
+  q, k = rng.normal(size=(1, 1, 1, 8)), rng.normal(size=(1, 1, 1, 8))
+  dot = lambda m, n: float(jnp.sum(T.rope(jnp.asarray(q, jnp.float32), jnp.array([[m]]), 10_000.0)
+                                   * T.rope(jnp.asarray(k, jnp.float32), jnp.array([[n]]), 10_000.0)))
+  assert dot(5, 2) == pytest.approx(dot(13, 10), rel=1e-4)
+
+
+@pytest.mark.parametrize("window", [3, T.NO_WINDOW])
+def test_gqa_attention_with_window_and_documents(window):
+  b, t, h, groups, d = 2, 9, 4, 2, 8
+  q, k, v = rng.normal(size=(b, t, h, d)), rng.normal(size=(b, t, groups, d)), rng.normal(size=(b, t, groups, d))
+  seg = np.array([[1] * 4 + [2] * 5, [1] * 9])
+  pos = np.array([list(range(4)) + list(range(5)), list(range(9))])
+  mask = T.attention_mask(jnp.asarray(pos), jnp.asarray(pos), jnp.asarray(seg), jnp.asarray(seg), window)
+  got = T.attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), mask)
+  np.testing.assert_allclose(got, ref.attention(q, k, v, pos, seg, window), rtol=1e-4, atol=1e-5)
+
+
+def test_swiglu():
+  x, wg, wu, wd = (rng.normal(size=s) for s in [(4, 8), (8, 16), (8, 16), (16, 8)])
+  got = T.swiglu(*(jnp.asarray(a, jnp.float32) for a in (x, wg, wu, wd)))
+  np.testing.assert_allclose(got, ref.swiglu(x, wg, wu, wd), rtol=1e-4, atol=1e-5)
+
+
+def test_layer_windows_pattern():
+  w = np.asarray(T.layer_windows(8, 16, 4))
+  assert list(w) == [16, 16, 16, T.NO_WINDOW] * 2
+  assert set(np.asarray(T.layer_windows(3, 16, 1))) == {T.NO_WINDOW}
+  assert set(np.asarray(T.layer_windows(3, 0, 4))) == {T.NO_WINDOW}
+
+
+def randomize(module, seed=1):
+  """Replace every parameter (norm scales too) with random values so nothing is trivially 1."""
+  graphdef, state = nnx.split(module)
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  leaves = [jax.random.normal(k, x.shape) * 0.5 + (1.0 if x.ndim == 1 else 0.0) for k, x in zip(keys, leaves)]
+  return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
+
+
+def attention_ref(p, cfg, x, pos, seg, window):
+  h, k, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  b, t, _ = x.shape
+  q, key, val = x @ p["q"], x @ p["k"], x @ p["v"]
+  if cfg.qk_norm == "layer":
+    q, key = ref.rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps), ref.rms_norm(key, p["k_norm"]["scale"], cfg.norm_eps)
+  q, key, val = q.reshape(b, t, h, hd), key.reshape(b, t, k, hd), val.reshape(b, t, k, hd)
+  if cfg.qk_norm == "head":
+    q, key = ref.rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps), ref.rms_norm(key, p["k_norm"]["scale"], cfg.norm_eps)
+  q, key = ref.rope(q, pos, cfg.rope_base), ref.rope(key, pos, cfg.rope_base)
+  return ref.attention(q, key, val, pos, seg, window).reshape(b, t, h * hd) @ p["o"]
+
+
+@pytest.mark.parametrize("qk_norm", ["none", "layer", "head"])
+def test_attention_layer_qk_norm_modes(tiny_cfg, qk_norm):
+  cfg = tiny_cfg.model
+  cfg.qk_norm = qk_norm
+  layer = randomize(Attention(cfg, nnx.Rngs(0)))
+  x = rng.normal(size=(2, 6, cfg.d_model))
+  pos, seg = np.tile(np.arange(6), (2, 1)), np.ones((2, 6), int)
+  got, _ = layer(jnp.asarray(x, jnp.float32), jnp.asarray(pos), jnp.asarray(seg), 4)
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer)))
+  np.testing.assert_allclose(got, attention_ref(p, cfg, x, pos, seg, 4), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("order", ["post", "pre"])
+def test_block_order(tiny_cfg, order):
+  cfg = tiny_cfg.model
+  cfg.block_order = order
+  block = randomize(Block(cfg, nnx.Rngs(0)))
+  x = rng.normal(size=(1, 5, cfg.d_model))
+  pos, seg = np.arange(5)[None], np.ones((1, 5), int)
+  got, _ = block(jnp.asarray(x, jnp.float32), jnp.asarray(pos), jnp.asarray(seg), T.NO_WINDOW)
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(block)))
+  norm = lambda y, n: ref.rms_norm(y, p[n]["scale"], cfg.norm_eps)
+  attn = lambda y: attention_ref(p["attn"], cfg, y, pos, seg, T.NO_WINDOW)
+  mlp = lambda y: ref.swiglu(y, p["mlp"]["gate"], p["mlp"]["up"], p["mlp"]["down"])
+  if order == "post":   # OLMo-3: normalise each sublayer's output, then add
+    h = x + norm(attn(x), "attn_norm")
+    want = h + norm(mlp(h), "mlp_norm")
+  else:
+    h = x + attn(norm(x, "attn_norm"))
+    want = h + mlp(norm(h, "mlp_norm"))
+  np.testing.assert_allclose(got, want, rtol=5e-4, atol=5e-4)

@@ -1,0 +1,107 @@
+"""Baseline model: causality, document masking, KV-cache decoding, remat and dtype options."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from latent_jax import ConfigError, build_model
+from latent_jax.config import validate
+
+
+def make(cfg, seed=0):
+  return build_model(cfg.model, nnx.Rngs(seed))
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("with_docs", [False, True])
+def test_no_future_leakage(tiny_cfg, window, with_docs):
+  tiny_cfg.model.window = window
+  model = make(tiny_cfg)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 320, size=(2, 24))
+  seg = np.repeat([[1] * 10 + [2] * 14], 2, axis=0) if with_docs else None
+  pos = np.repeat([list(range(10)) + list(range(14))], 2, axis=0) if with_docs else None
+  base = model(jnp.asarray(tokens), seg, pos).logits
+  for t in [0, 9, 15]:
+    changed = tokens.copy()
+    changed[:, t + 1:] = rng.integers(0, 320, size=changed[:, t + 1:].shape)
+    out = model(jnp.asarray(changed), seg, pos).logits
+    np.testing.assert_array_equal(np.asarray(out[:, :t + 1]), np.asarray(base[:, :t + 1]))
+    assert not np.allclose(out[:, t + 1:], base[:, t + 1:])
+
+
+def test_documents_do_not_see_each_other(tiny_cfg):
+  """With segment ids, the second document's logits equal those of running it alone."""
+  model = make(tiny_cfg)
+  a, b = np.arange(1, 11), np.arange(50, 64)
+  seg = np.array([[1] * 10 + [2] * 14])
+  pos = np.array([list(range(10)) + list(range(14))])
+  packed = model(jnp.asarray([np.concatenate([a, b])]), seg, pos).logits
+  alone = model(jnp.asarray([b])).logits
+  np.testing.assert_allclose(packed[0, 10:], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_kv_cache_decoding_matches_full_forward(tiny_cfg):
+  tiny_cfg.model.window = 5  # shorter than the sequence: the cache must honour the window
+  model = make(tiny_cfg)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 320, size=(2, 20)))
+  full = model(tokens).logits
+  cache = model.init_cache(2, 20)
+  out = model(tokens[:, :7], cache=cache, cache_index=0)  # prefill
+  steps = [out.logits]
+  cache = out.cache
+  for i in range(7, 20):
+    out = model(tokens[:, i:i + 1], cache=cache, cache_index=i)
+    steps.append(out.logits)
+    cache = out.cache
+  np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_remat_gives_same_grads(tiny_cfg):
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 320, size=(2, 16)))
+
+  def grads(remat):
+    tiny_cfg.model.remat = remat
+    graphdef, params = nnx.split(make(tiny_cfg))
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens).logits ** 2)
+    return jax.grad(loss)(params)
+
+  for a, b in zip(jax.tree.leaves(grads(False)), jax.tree.leaves(grads(True))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_and_tied_embeddings(tiny_cfg):
+  tiny_cfg.model.update(param_dtype="bfloat16", dtype="bfloat16", tie_embeddings=True)
+  model = make(tiny_cfg)
+  assert not hasattr(model, "lm_head")
+  out = model(jnp.zeros((1, 8), jnp.int32))
+  assert out.logits.dtype == jnp.bfloat16 and out.logits.shape == (1, 8, 320)
+  assert model.embed.dtype == jnp.bfloat16
+
+
+def test_param_count_matches_formula(tiny_cfg):
+  m = tiny_cfg.model
+  per_layer = m.d_model * m.num_heads * m.head_dim * 2 + 2 * m.d_model * m.num_kv_heads * m.head_dim \
+      + 3 * m.d_model * m.mlp_dim + 2 * m.d_model + m.num_heads * m.head_dim + m.num_kv_heads * m.head_dim
+  want = m.num_layers * per_layer + 2 * m.vocab_size * m.d_model + m.d_model
+  got = sum(x.size for x in jax.tree.leaves(nnx.state(make(tiny_cfg))))
+  assert got == want
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("model.num_kv_heads", 3, "does not divide model.num_heads"),
+    ("model.head_dim", 7, "odd"),
+    ("model.qk_norm", "both", "not one of"),
+    ("model.name", "gpt", "not one of"),
+    ("data.seq_len", 1, ">= 2"),
+    ("optim.warmup_steps", 100, "train.steps"),
+    ("kernels.impl", "cuda", "not one of"),
+    ("mesh.data", 0, "or -1 to take"),
+])
+def test_config_validation_names_the_field(tiny_cfg, field, value, words):
+  section, name = field.split(".")
+  tiny_cfg[section][name] = value
+  with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
+    validate(tiny_cfg)
+  assert words in str(e.value)
