@@ -1,0 +1,10 @@
+"""Kernels of latent_jax, each beside the plain-JAX reference it must equal.
+
+`impl=` picks the version (see IMPLS); "auto" picks by jax.default_backend() at trace time.
+"""
+
+from pallas_kernels._common import IMPLS
+from pallas_kernels.codebook_mix import codebook_mix
+from pallas_kernels.cross_entropy import fused_cross_entropy
+
+__all__ = ["IMPLS", "codebook_mix", "fused_cross_entropy"]

@@ -1,0 +1,60 @@
+"""Shared pieces of the kernels: the impl names, the trace-time choice, padding."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Every public kernel takes `impl=` from this list.
+#   naive             materialise everything; the plain-JAX reference the others must equal
+#   xla               chunked plain JAX with a hand-written VJP; the CPU default
+#   pallas            the Pallas kernel, compiled on GPU/TPU (interpreted on CPU: nothing else runs there)
+#   pallas_interpret  the Pallas kernel in interpret mode on any backend (tests, debugging)
+#   auto              "pallas" on gpu/tpu, "xla" on cpu
+IMPLS = ("auto", "naive", "xla", "pallas", "pallas_interpret")
+
+# fp32 inputs must not silently drop to TF32 / bf16 passes on GPU/TPU: the kernels promise
+# fp32 logits. On CPU this costs nothing; for bf16 inputs it changes nothing.
+PRECISION = lax.Precision.HIGHEST
+
+# A finite "minus infinity" for masked logits: exp() of it underflows to 0 like -inf, but
+# 0 * MASK is 0 rather than NaN, so masked columns can go through weighted sums unguarded.
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def resolve_impl(impl: str) -> tuple[str, bool]:
+    """Map a user-facing impl name to (family, interpret) at trace time."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    backend = jax.default_backend()
+    if impl == "auto":
+        impl = "xla" if backend == "cpu" else "pallas"
+    if impl == "pallas_interpret":
+        return "pallas", True
+    if impl == "pallas":
+        # A Pallas kernel cannot be compiled for CPU; interpreting is the only way to run it.
+        return "pallas", backend == "cpu"
+    return impl, False
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def pad_to(x: jax.Array, shape: tuple[int, ...], value=0) -> jax.Array:
+    """Pad each axis of `x` at its end up to `shape` (no-op when already that shape)."""
+    widths = [(0, t - s) for s, t in zip(x.shape, shape)]
+    if all(w == (0, 0) for w in widths):
+        return x
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int] = (1, 0)) -> jax.Array:
+    """2-D a @ b contracting a's axis contract[0] with b's contract[1], accumulated in fp32."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=PRECISION, preferred_element_type=jnp.float32)

@@ -1,0 +1,191 @@
+"""Cross-entropy of an LM head without materialising the [tokens, vocab] logits.
+
+Per row i with bag labels y_i1..y_is (negative = ignored) and z = hidden @ weight:
+    loss_i = lse(z_i) - sum_v w_iv z_iv,   w_iv = count(v in bag_i) / #non-ignored labels,
+i.e. the mean over the bag of CE(z_i, y_ik) (REFERENCE.md section 4; s=1 is plain CE,
+s>1 the TST multi-hot loss). A row whose labels are all ignored has loss 0 and no gradient.
+The gradient w.r.t. the logits is softmax(z) - w, which the chunked and Pallas versions
+recompute tile by tile instead of storing.
+
+Three versions, one chooser (`fused_cross_entropy`):
+  naive   all logits at once; JAX autodiff. The reference.
+  xla     token chunks (full vocab per chunk) under lax.scan with a custom VJP that
+          recomputes each chunk's logits; only one [chunk, vocab] block is ever alive.
+  pallas  tokens x vocab tiles with an online logsumexp (cross_entropy_pallas.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import matmul, pad_to, resolve_impl, round_up
+from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
+
+# One chunk of fp32 logits in the xla path is about this many bytes: big enough that each
+# chunk is a large, efficient matmul and the d_weight accumulator (carried through the scan)
+# is revisited few times, small enough to be "tens of MB" next to the [n, V] of naive.
+CHUNK_BYTES = 64 * 2**20
+
+
+# ---------------------------------------------------------------------------- math
+def soft_cap(z: jax.Array, cap: float | None) -> jax.Array:
+    """z -> cap * tanh(z / cap) (Gemma-style logit soft cap); identity when cap is None."""
+    return z if cap is None else cap * jnp.tanh(z / cap)
+
+
+def bag(labels: jax.Array):
+    """labels [n, s] -> (safe labels, valid mask, has-any-label [n] f32, 1/#valid or 0 [n])."""
+    valid = labels >= 0
+    count = valid.sum(-1)
+    has = (count > 0).astype(jnp.float32)
+    inv = has / jnp.maximum(count, 1).astype(jnp.float32)
+    return jnp.where(valid, labels, 0), valid, has, inv
+
+
+def rows_loss(z: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Capped fp32 logits [r, V], labels [r, s] -> (loss [r], lse [r])."""
+    m = lax.stop_gradient(z.max(-1))  # the shift cancels in value and gradient
+    lse = m + jnp.log(jnp.exp(z - m[:, None]).sum(-1))
+    safe, valid, has, inv = bag(labels)
+    target = jnp.where(valid, jnp.take_along_axis(z, safe, axis=1), 0.0).sum(-1)
+    # has * lse: an all-ignored row gives exactly 0 (and, differentiated, no gradient).
+    return has * lse - inv * target, lse
+
+
+def rows_dlogits(u, labels, lse, g_loss, g_lse, cap):
+    """d(sum g_loss*loss + g_lse*lse) / d(pre-cap logits u [r, V]) = (softmax(z) - w) scaled."""
+    z = soft_cap(u, cap)
+    safe, valid, has, inv = bag(labels)
+    dz = (g_loss * has + g_lse)[:, None] * jnp.exp(z - lse[:, None])
+    rows = jnp.arange(z.shape[0])[:, None]
+    # Scatter-add, so a label repeated in a bag is subtracted once per occurrence.
+    dz = dz.at[rows, safe].add(-(g_loss * inv)[:, None] * valid)
+    if cap is not None:  # d(cap * tanh(u / cap)) / du = 1 - tanh^2 = 1 - (z / cap)^2
+        dz = dz * (1.0 - jnp.square(z / cap))
+    return dz
+
+
+# --------------------------------------------------------------------------- naive
+def naive_cross_entropy(hidden, weight, labels, cap):
+    """Reference: the full [n, V] logits in fp32, differentiated by JAX."""
+    return rows_loss(soft_cap(matmul(hidden, weight), cap), labels)
+
+
+# ----------------------------------------------------------------------------- xla
+def default_chunk(n: int, vocab: int) -> int:
+    """Tokens per chunk: a power of two near CHUNK_BYTES of fp32 logits, no more than n needs."""
+    rows = max(1, CHUNK_BYTES // (4 * vocab))
+    c = 1 << (rows.bit_length() - 1)  # the largest power of two <= rows
+    return min(max(c, 16), 2048, round_up(n, 8))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(hidden, weight, labels, cap, chunk):
+    return _chunked_fwd(hidden, weight, labels, cap, chunk)[0]
+
+
+def _chunked_fwd(hidden, weight, labels, cap, chunk):
+    n, d = hidden.shape  # n is a multiple of chunk here
+
+    def one(xs):
+        h_c, lab_c = xs
+        return rows_loss(soft_cap(matmul(h_c, weight), cap), lab_c)
+
+    xs = (hidden.reshape(n // chunk, chunk, d), labels.reshape(n // chunk, chunk, -1))
+    loss, lse = lax.map(one, xs)
+    loss, lse = loss.reshape(n), lse.reshape(n)
+    return (loss, lse), (hidden, weight, labels, lse)
+
+
+def _chunked_bwd(cap, chunk, res, cts):
+    hidden, weight, labels, lse = res
+    g_loss, g_lse = cts
+    n, d = hidden.shape
+
+    def step(d_weight, xs):
+        h_c, lab_c, lse_c, gl_c, gz_c = xs
+        dz = rows_dlogits(matmul(h_c, weight), lab_c, lse_c, gl_c, gz_c, cap)
+        dz = dz.astype(weight.dtype)  # grads in the input dtype; products still sum in fp32
+        d_h = matmul(dz, weight, (1, 1))  # [chunk, V] x [d, V] -> [chunk, d]
+        return d_weight + matmul(h_c, dz, (0, 0)), d_h  # += [chunk, d]^T x [chunk, V]
+
+    split = lambda x: x.reshape(n // chunk, chunk, *x.shape[1:])
+    xs = tuple(map(split, (hidden, labels, lse, g_loss, g_lse)))
+    d_weight, d_hidden = lax.scan(step, jnp.zeros(weight.shape, jnp.float32), xs)
+    d_hidden = d_hidden.reshape(n, d).astype(hidden.dtype)
+    return d_hidden, d_weight.astype(weight.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def xla_cross_entropy(hidden, weight, labels, cap, chunk):
+    """Chunked over tokens; padded rows carry ignored labels, so they add nothing."""
+    n = hidden.shape[0]
+    n_pad = round_up(n, chunk)
+    hidden = pad_to(hidden, (n_pad, hidden.shape[1]))
+    labels = pad_to(labels, (n_pad, labels.shape[1]), value=-1)
+    loss, lse = _chunked(hidden, weight, labels, cap, chunk)
+    return loss[:n], lse[:n]
+
+
+# -------------------------------------------------------------------------- public
+def _check(hidden, weight, labels, cap, chunk_size):
+    if hidden.ndim != 2:
+        raise ValueError(f"hidden must be [n, d], got shape {hidden.shape}")
+    if weight.ndim != 2 or weight.shape[0] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must be [d, vocab] with d={hidden.shape[1]} (hidden's last axis), "
+            f"got shape {weight.shape}"
+        )
+    if labels.ndim != 2 or labels.shape[0] != hidden.shape[0]:
+        raise ValueError(
+            f"labels must be [n, s] with n={hidden.shape[0]} (use labels[:, None] for plain "
+            f"next-token labels), got shape {labels.shape}"
+        )
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
+    if cap is not None and not cap > 0:
+        raise ValueError(f"logit_soft_cap must be None or > 0, got {cap}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("impl", "logit_soft_cap", "return_lse", "chunk_size")
+)
+def fused_cross_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    impl: str = "auto",
+    logit_soft_cap: float | None = None,
+    return_lse: bool = False,
+    chunk_size: int | None = None,
+):
+    """Per-row (multi-hot) CE of softmax(hidden @ weight): lse(z) - sum_v w_v z_v, REFERENCE.md s.4.
+
+    hidden [n, d], weight [d, vocab], labels [n, s] int (s=1 plain CE, s>1 bag mean,
+    negative = ignored, must be < vocab). Logits are fp32 whatever the input dtype.
+    Returns loss [n] float32, or (loss, lse) with return_lse (lse is differentiable too,
+    for a z-loss). chunk_size: tokens per chunk for impl="xla" (default: ~64 MiB of logits).
+    """
+    _check(hidden, weight, labels, logit_soft_cap, chunk_size)
+    family, interpret = resolve_impl(impl)
+    labels = labels.astype(jnp.int32)
+    # One compute dtype for both matmul operands (bf16 stays bf16, mixed goes up).
+    dtype = jnp.promote_types(hidden.dtype, weight.dtype)
+    hidden, weight = hidden.astype(dtype), weight.astype(dtype)
+    if family == "naive":
+        loss, lse = naive_cross_entropy(hidden, weight, labels, logit_soft_cap)
+    elif family == "xla":
+        chunk = chunk_size or default_chunk(hidden.shape[0], weight.shape[1])
+        loss, lse = xla_cross_entropy(hidden, weight, labels, logit_soft_cap, chunk)
+    else:
+        loss, lse = pallas_cross_entropy(hidden, weight, labels, logit_soft_cap, interpret)
+    return (loss, lse) if return_lse else loss
