@@ -1,7 +1,7 @@
 """python -m latent_jax.train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR"""
 import sys
 
-from latent_jax.config import load_config, parse_cli
+from latent_jax.config import ConfigError, load_config, parse_cli
 from latent_jax.train.loop import NonFiniteLoss, train
 
 
@@ -9,10 +9,9 @@ def main(argv):
   path, overrides, flags = parse_cli(argv)
   if path is None or "workdir" not in flags:
     raise SystemExit(__doc__)
-  cfg = load_config(path, overrides)
   try:
-    train(cfg, flags["workdir"])
-  except NonFiniteLoss as e:
+    train(load_config(path, overrides), flags["workdir"])
+  except (ConfigError, NonFiniteLoss) as e:
     raise SystemExit(f"error: {e}") from None
 
 

@@ -69,9 +69,10 @@ def train(cfg, workdir):
     state, step_metrics = train_step(state, batch)
     step += 1
     is_last = step == cfg.train.steps
+    stopping = stop.requested  # read once: a signal may land at any point of this iteration
     eval_now = cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or is_last)
     log_now = step % cfg.train.log_every == 0 or is_last or eval_now
-    save_now = step % cfg.train.checkpoint_every == 0 or is_last or stop.requested
+    save_now = step % cfg.train.checkpoint_every == 0 or is_last or stopping
     if log_now or save_now:
       metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
       if not all(map(math.isfinite, metrics.values())):
@@ -93,7 +94,7 @@ def train(cfg, workdir):
     bar.update(1)
     if save_now:
       ckpt.save(step, state, train_iter, meta)
-    if stop.requested:
+    if stopping:
       print(f"\nstopped at step {step}; checkpoint {ckpt.path(step)}")
       break
   bar.close()

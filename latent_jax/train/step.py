@@ -69,7 +69,7 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
   return jax.jit(train_step, in_shardings=(shardings, sharding.batch_sharding(mesh)),

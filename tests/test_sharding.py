@@ -1,0 +1,78 @@
+"""Sharded equals unsharded: a few train steps on a (2, 2, 2) mesh of 8 fake CPU devices."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from latent_jax.config import ConfigError
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    from latent_jax import load_config
+    from latent_jax.train import sharding, step as steps
+    from latent_jax.train.optim import build_optimizer
+
+    cfg = load_config(sys.argv[1], ["model.vocab_size=256", "model.d_model=32", "model.num_layers=2",
+        "model.num_heads=4", "model.num_kv_heads=2", "model.head_dim=8", "model.mlp_dim=64",
+        "model.window=8", "data.seq_len=16", "data.batch_size=8", "train.steps=10",
+        "optim.warmup_steps=1", "optim.name=" + sys.argv[2], "kernels.impl=xla"])
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+      tokens = rng.integers(0, 256, size=(8, 17)).astype(np.int32)
+      batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                      "segment_ids": np.ones((8, 16), np.int32), "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1))})
+
+    def run(mesh_sizes, devices):
+      cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_sizes
+      mesh = sharding.make_mesh(cfg.mesh, devices)
+      graphdef, abstract = steps.abstract_model(cfg.model)
+      tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+      shard = steps.state_shardings(abstract, tx, mesh)
+      state = steps.init_state(cfg.model, 0, tx, shard)
+      train_step = steps.make_train_step(graphdef, tx, cfg, shard, mesh)
+      losses = []
+      for b in batches:
+        state, m = train_step(state, sharding.global_batch(b, mesh))
+        losses.append(float(m["loss"]))
+      return losses, state
+
+    one_losses, one = run((1, 1, 1), jax.devices()[:1])
+    many_losses, many = run((2, 2, 2), jax.devices())
+    np.testing.assert_allclose(many_losses, one_losses, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(many["params"])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    specs = {str(x.sharding.spec) for x in jax.tree.leaves(many["params"])}
+    mlp = many["params"]["blocks"]["blocks"]["mlp"]["gate"]
+    assert mlp.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor"), mlp.sharding.spec
+    assert len(mlp.addressable_shards) == 8 and mlp.addressable_shards[0].data.shape == (2, 16, 32)
+    mu = [x for x in jax.tree.leaves(many["opt_state"]) if x.shape == mlp.shape]
+    assert mu and all(x.sharding.spec == mlp.sharding.spec for x in mu)
+    print("OK", one_losses, specs)
+""")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_sharded_train_steps_equal_single_device(optimizer):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-c", SCRIPT, os.path.join(root, "configs", "tiny.py"), optimizer],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "OK" in result.stdout
+
+
+def test_mesh_that_does_not_fit_devices_is_a_clear_error(tiny_cfg):
+  from latent_jax.train.sharding import mesh_shape
+  tiny_cfg.mesh.data, tiny_cfg.mesh.fsdp, tiny_cfg.mesh.tensor = 2, 2, 2
+  with pytest.raises(ConfigError, match="there are 4 devices"):
+    mesh_shape(tiny_cfg.mesh, 4)
+  tiny_cfg.mesh.data = -1
+  tiny_cfg.mesh.fsdp = 3
+  with pytest.raises(ConfigError, match="does not divide"):
+    mesh_shape(tiny_cfg.mesh, 8)
+  tiny_cfg.mesh.fsdp = 2
+  assert mesh_shape(tiny_cfg.mesh, 8) == (2, 2, 2)
