@@ -51,3 +51,8 @@ def eval_sums(model, batch, cfg):
                               batch["targets"], cfg.kernels.impl)
   mask = batch["targets"] >= 0
   return jnp.sum(jnp.where(mask, ce, 0.0)), jnp.sum(mask)
+
+
+def objective_for(cfg):
+  """The training objective for the configured model: (model, batch, cfg) -> (total, metrics)."""
+  return lm_objective

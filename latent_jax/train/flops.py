@@ -67,3 +67,8 @@ def measure_matmul_peak(dtype=jnp.float32, n=1024, repeats=5):
     matmul(a).block_until_ready()
     times.append(time.perf_counter() - start)
   return 2 * n**3 / float(np.median(times))
+
+
+def flops_per_token(model_cfg, seq_len):
+  """Training FLOPs per token of the configured model."""
+  return baseline_flops_per_token(model_cfg, seq_len)

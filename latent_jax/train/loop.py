@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import tqdm
 
+from latent_jax import objectives
 from latent_jax.config import validate
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
 from latent_jax.train import checkpoint, flops, sharding
@@ -48,11 +49,11 @@ def train(cfg, workdir):
     print(f"resumed from {ckpt.path(start)}")
   meta = {"config": checkpoint.config_to_json(cfg)}
 
-  train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh)
+  train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg))
   eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh)
 
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  flops_per_token = flops.baseline_flops_per_token(cfg.model, cfg.data.seq_len)
+  flops_per_token = flops.flops_per_token(cfg.model, cfg.data.seq_len)
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
   peak *= jax.device_count()
   writer = MetricsWriter(workdir, start)
