@@ -6,6 +6,7 @@ and what to do about it.
 import ast
 import importlib.util
 import os
+import sys
 
 import ml_collections
 
@@ -23,7 +24,12 @@ def load_config(path, overrides=()):
     raise ConfigError(f"--config {path!r}: no such file; pass a config file such as configs/tiny.py.")
   spec = importlib.util.spec_from_file_location(f"latent_jax_config_{abs(hash(path))}", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  # Configs derive from their neighbours (`import tiny` in configs/tiny_ncp.py).
+  sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+  try:
+    spec.loader.exec_module(module)
+  finally:
+    sys.path.pop(0)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"--config {path!r} defines no get_config(); it must return an ml_collections.ConfigDict.")
   cfg = module.get_config()
@@ -82,7 +88,7 @@ def validate(cfg):
   for section in ("model", "data", "train", "optim", "mesh", "kernels"):
     check(section in cfg, section, "missing section; start from configs/tiny.py.")
   m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
-  check_choice(m.name, "model.name", ("baseline",))
+  check_choice(m.name, "model.name", ("baseline", "concept"))
   for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
     check(isinstance(m[f], int) and m[f] > 0, f"model.{f}", f"must be a positive integer, got {m[f]!r}.")
   check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
@@ -125,7 +131,81 @@ def validate(cfg):
   check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh.data/fsdp/tensor",
         "at most one may be -1 (fill).")
   check_choice(cfg.kernels.impl, "kernels.impl", KERNEL_IMPLS)
+  if m.name == "concept":
+    validate_ncp(cfg)
+  validate_tst(cfg)
   return cfg
+
+
+def tst_enabled(cfg):
+  """Whether the config asks for Token-Superposition Training (an optional `tst` section)."""
+  return "tst" in cfg and bool(cfg.tst.enabled)
+
+
+def tst_phase1_steps(cfg):
+  """Steps of TST phase 1: round(tst.r * train.steps)."""
+  return round(cfg.tst.r * cfg.train.steps)
+
+
+def validate_tst(cfg):
+  """The `tst` section (docs/tst.md); checked only when tst.enabled."""
+  if not tst_enabled(cfg):
+    return
+  t, steps = cfg.tst, cfg.train.steps
+  check(cfg.model.name == "baseline", "tst.enabled",
+        f"TST is defined for model.name='baseline' only, not {cfg.model.name!r}; set tst.enabled=False "
+        "or model.name='baseline'.")
+  check(isinstance(t.s, int) and t.s >= 1, "tst.s", f"the bag size must be a positive integer, got {t.s!r}.")
+  check(0 < t.r < 1, "tst.r", f"the phase-1 fraction of train.steps must lie in (0, 1), got {t.r}.")
+  n1 = tst_phase1_steps(cfg)
+  check(1 <= n1 < steps, "tst.r", f"round(tst.r * train.steps) = {n1} phase-1 steps leaves phase 1 or "
+        f"phase 2 empty (train.steps={steps}); raise train.steps or move tst.r away from 0 and 1.")
+  check_choice(t.budget, "tst.budget", ("flops", "tokens"))
+  check_choice(t.carry, "tst.carry", ("all", "params"))
+  check_choice(t.superpose, "tst.superpose", ("both", "input", "output"))
+  check_choice(t.positions, "tst.positions", ("bag", "token"))
+  check(isinstance(t.reinit_embeddings_at_switch, bool), "tst.reinit_embeddings_at_switch", "must be True or False.")
+  if t.budget == "tokens" and t.superpose != "output":
+    check(cfg.data.seq_len % t.s == 0, "data.seq_len",
+          f"{cfg.data.seq_len} is not divisible by tst.s={t.s}: with tst.budget='tokens' phase-1 rows of "
+          f"data.seq_len tokens are cut into bags of tst.s; pick a multiple of {t.s}, or tst.budget='flops'.")
+  if t.carry == "params":
+    check(cfg.optim.warmup_steps < min(n1, steps - n1), "optim.warmup_steps",
+          f"{cfg.optim.warmup_steps} must be below both phases' lengths ({n1} and {steps - n1}): with "
+          "tst.carry='params' each phase restarts the schedule, warmup included.")
+
+
+NCP_FIELDS = ("encoder_layers", "concept_layers", "decoder_layers", "chunk_size", "num_segments", "codebook_size",
+              "mixing", "fusion", "fusion_scale_init", "concept_norm", "concept_positions", "document_mask", "irc",
+              "irc_softmax", "crc_encoder_concept", "crc_encoder_decoder", "crc_concept_decoder",
+              "residual_hidden", "crc_scale_init")
+
+
+def validate_ncp(cfg):
+  """The ConceptLM fields of `model` and the loss section `ncp` (docs/ncp.md)."""
+  m = cfg.model
+  for f in NCP_FIELDS:
+    check(f in m, f"model.{f}", "missing; model.name='concept' needs the NCP fields, start from configs/tiny_ncp.py.")
+  check("ncp" in cfg, "ncp", "missing section (alpha, beta, reduction); start from configs/tiny_ncp.py.")
+  for f in ("encoder_layers", "concept_layers", "decoder_layers", "chunk_size", "num_segments", "codebook_size",
+            "residual_hidden"):
+    check(isinstance(m[f], int) and m[f] > 0, f"model.{f}", f"must be a positive integer, got {m[f]!r}.")
+  check(m.d_model % m.num_segments == 0, "model.num_segments",
+        f"{m.num_segments} does not divide model.d_model={m.d_model}; each segment has d_model/num_segments dims.")
+  k = m.chunk_size
+  check(cfg.data.seq_len >= 2 * k, "data.seq_len",
+        f"{cfg.data.seq_len} is shorter than 2*model.chunk_size={2 * k}: NCP needs two complete chunks "
+        "(one to predict from, one to predict); raise data.seq_len or lower model.chunk_size.")
+  check_choice(m.mixing, "model.mixing", ("softmax", "raw_logits"))
+  check_choice(m.fusion, "model.fusion", ("add", "norm_add"))
+  check_choice(m.concept_positions, "model.concept_positions", ("index", "token"))
+  for f in ("concept_norm", "document_mask", "irc", "irc_softmax", "crc_encoder_concept", "crc_encoder_decoder",
+            "crc_concept_decoder"):
+    check(isinstance(m[f], bool), f"model.{f}", f"must be True or False, got {m[f]!r}.")
+  check(m.crc_scale_init >= 0, "model.crc_scale_init", f"must be >= 0, got {m.crc_scale_init}.")
+  n = cfg.ncp
+  check(n.alpha >= 0 and n.beta >= 0, "ncp.alpha/beta", f"loss weights must be >= 0, got {n.alpha}, {n.beta}.")
+  check_choice(n.reduction, "ncp.reduction", ("paper", "algorithm1", "released"))
 
 
 def parse_cli(argv):

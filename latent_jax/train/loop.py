@@ -1,4 +1,7 @@
-"""The training loop, top to bottom: data, model, optimiser, restore, step, log, eval, save."""
+"""The training loop, top to bottom: data, model, restore, then per phase: optimiser, step, log, eval, save.
+
+A plain run has one phase; a TST run two (train/phases.py, docs/tst.md).
+"""
 import math
 import os
 import signal
@@ -11,7 +14,7 @@ import tqdm
 from latent_jax import objectives
 from latent_jax.config import validate
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
-from latent_jax.train import checkpoint, flops, sharding
+from latent_jax.train import checkpoint, flops, phases, sharding
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter
 from latent_jax.train.optim import build_optimizer
@@ -28,80 +31,124 @@ def train(cfg, workdir):
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh)
 
-  # Data: corpus -> tokenizer (trained once, then reused) -> packed windows.
+  # Data: corpus -> tokenizer (trained once, then reused) -> packed windows. Each phase opens
+  # its own train iterator (TST phase 1 reads longer rows); validation is always plain NTP.
   data = build_data(cfg, workdir)
-  train_iter = make_train_iterator(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.seed,
-                                   jax.process_index(), jax.process_count())
+  plan = phases.plan(cfg)
+  phases.check_data(plan, data.train_tokens.size, cfg.data.batch_size)
   val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
   val_bytes = steps.scored_bytes(val_batches, data.tokenizer.token_bytes)
 
-  # Model and optimiser, initialised straight into their shardings.
+  # Model and state shardings (every phase's optimiser state has the same structure).
   graphdef, abstract_params = steps.abstract_model(cfg.model)
-  tx, schedule = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract_params))
+  axes = steps.axes_tree(abstract_params)
+  tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
-  state = steps.init_state(cfg.model, cfg.train.seed, tx, shardings)
+  abstract_state = checkpoint.abstract_like(
+      jax.eval_shape(lambda: steps.init_state(cfg.model, cfg.train.seed, tx, shardings)), shardings)
 
-  # Resume from the latest checkpoint in the workdir, if there is one.
+  # Resume from the latest checkpoint in the workdir; in a TST run, from the phase-1 result
+  # (WORKDIR/phase1, kept apart from max_to_keep) if phase 1 finished after that checkpoint.
   ckpt = checkpoint.Checkpoints(workdir, cfg.train.keep_checkpoints)
-  start = ckpt.latest_step() or 0
-  if start:
-    state, _ = ckpt.restore(start, checkpoint.abstract_like(state, shardings), train_iter)
-    print(f"resumed from {ckpt.path(start)}")
+  phase1 = checkpoint.Checkpoints(workdir, 1, async_save=False, subdir="phase1") if len(plan) > 1 else None
+  step = ckpt.latest_step() or 0
+  if phase1 and phase1.latest_step() is not None and step < plan[1].start:
+    step = plan[1].start
   meta = {"config": checkpoint.config_to_json(cfg)}
-
-  train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg))
   eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh)
 
-  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-  flops_per_token = flops.flops_per_token(cfg.model, cfg.data.seq_len)
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
   peak *= jax.device_count()
-  writer = MetricsWriter(workdir, start)
-  print(f"{param_count(abstract_params) / 1e6:.2f}M params, {flops_per_token / 1e6:.1f} MFLOPs/token, "
-        f"peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); train {data.train_tokens.size:,} tokens, "
-        f"val {data.val_tokens.size:,} tokens")
+  writer = MetricsWriter(workdir, step)
+  print(f"{param_count(abstract_params) / 1e6:.2f}M params, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
+        f"train {data.train_tokens.size:,} tokens, val {data.val_tokens.size:,} tokens")
 
   stop = install_stop_handler()
-  bar = tqdm.tqdm(total=cfg.train.steps, initial=start, dynamic_ncols=True, disable=jax.process_index() != 0)
-  metrics, last_time, last_step = {}, time.perf_counter(), start
-  step = start
-  while step < cfg.train.steps:
-    batch = sharding.global_batch(next(train_iter), mesh)
-    state, step_metrics = train_step(state, batch)
-    step += 1
-    is_last = step == cfg.train.steps
-    stopping = stop.requested  # read once: a signal may land at any point of this iteration
-    eval_now = cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or is_last)
-    log_now = step % cfg.train.log_every == 0 or is_last or eval_now
-    save_now = step % cfg.train.checkpoint_every == 0 or is_last or stopping
-    if log_now or save_now:
-      metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-      if not all(map(math.isfinite, metrics.values())):
-        ckpt.wait()
-        good = ckpt.latest_step()
-        raise NonFiniteLoss(f"non-finite loss at step {step}: {metrics}. Last good checkpoint: "
-                            f"{ckpt.path(good) if good else 'none'}. Lower optim.lr or raise optim.warmup_steps.")
-    if log_now:
-      now = time.perf_counter()
-      tokens_per_s = tokens_per_step * (step - last_step) / (now - last_time)
-      last_time, last_step = now, step
-      metrics.update(lr=float(schedule(step - 1)), tokens_per_s=tokens_per_s, tokens=step * tokens_per_step,
-                     flops=step * tokens_per_step * flops_per_token, mfu=tokens_per_s * flops_per_token / peak)
-      if eval_now:
-        metrics.update(steps.evaluate(eval_step, state["params"], val_batches, val_bytes, mesh))
-        last_time = time.perf_counter()  # keep evaluation out of the throughput
-      writer.write(step, metrics)
-      bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}", mfu=f"{metrics['mfu']:.1%}")
-    bar.update(1)
-    if save_now:
-      ckpt.save(step, state, train_iter, meta)
-    if stopping:
-      print(f"\nstopped at step {step}; checkpoint {ckpt.path(step)}")
-      break
-  bar.close()
-  ckpt.close()
-  writer.close()
+  bar = tqdm.tqdm(total=cfg.train.steps, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
+  metrics, stopped = {}, False
+  try:
+    for phase in plan:
+      if step >= phase.end:
+        continue
+      print(phase.describe(cfg.data.batch_size))
+      tx, schedule = build_optimizer(cfg.optim, phase.schedule_steps, axes)
+      train_iter = make_train_iterator(data, phase.seq_len, cfg.data.batch_size, phase.data_seed,
+                                       jax.process_index(), jax.process_count())
+      state = enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, train_iter)
+      train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective)
+      last_time, last_step = time.perf_counter(), step
+      while step < phase.end:
+        batch = sharding.global_batch(next(train_iter), mesh)
+        state, step_metrics = train_step(state, batch)
+        step += 1
+        is_last = step == phase.end
+        stopping = stop.requested  # read once: a signal may land at any point of this iteration
+        eval_now = cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or is_last)
+        log_now = step % cfg.train.log_every == 0 or is_last or eval_now
+        save_now = step % cfg.train.checkpoint_every == 0 or is_last or stopping
+        if log_now or save_now:
+          metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+          if not all(map(math.isfinite, metrics.values())):
+            ckpt.wait()
+            good = ckpt.latest_step()
+            raise NonFiniteLoss(f"non-finite loss at step {step}: {metrics}. Last good checkpoint: "
+                                f"{ckpt.path(good) if good else 'none'}. Lower optim.lr or raise optim.warmup_steps.")
+        if log_now:
+          now = time.perf_counter()
+          steps_per_s = (step - last_step) / (now - last_time)
+          last_time, last_step = now, step
+          metrics.update(lr=float(schedule(step - 1 - phase.schedule_start)),
+                         tokens_per_s=phase.tokens_per_step * steps_per_s, tokens=phase.tokens_at(step),
+                         flops=phase.flops_at(step), mfu=phase.flops_per_step * steps_per_s / peak)
+          if phase.number is not None:
+            metrics["phase"] = phase.number
+          if eval_now:
+            metrics.update(steps.evaluate(eval_step, state["params"], val_batches, val_bytes, mesh))
+            last_time = time.perf_counter()  # keep evaluation out of the throughput
+          writer.write(step, metrics)
+          bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:,.0f}",
+                          mfu=f"{metrics['mfu']:.1%}")
+        bar.update(1)
+        # The phase-1 result goes to WORKDIR/phase1, synchronously: phase 2 starts by restoring it.
+        switch = is_last and phase.number == 1
+        saver = phase1 if switch else ckpt
+        if save_now:
+          tags = {} if phase.number is None else {"phase": phase.number}
+          if switch:
+            tags["phase1_final"] = True
+          saver.save(step, state, train_iter, {**meta, **tags})
+        if stopping:
+          print(f"\nstopped at step {step}; checkpoint {saver.path(step)}")
+          stopped = True
+          break
+      if stopped:
+        break
+  finally:  # also on errors: let started checkpoint saves finish
+    bar.close()
+    ckpt.close()
+    if phase1:
+      phase1.close()
+    writer.close()
   return metrics
+
+
+def enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, train_iter):
+  """The train state at `step`: fresh at 0, a checkpoint inside the phase, or TST's switch."""
+  if step == 0:
+    return steps.init_state(cfg.model, cfg.train.seed, tx, shardings)
+  if step > phase.start:
+    state, _ = ckpt.restore(step, abstract_state, train_iter)
+    print(f"resumed from {ckpt.path(step)}")
+    return state
+  # The TST switch: phase 2 starts from the phase-1 result on disk (exactly as a resumed run
+  # does), with a fresh data iterator; carry="params" also starts a fresh optimiser state.
+  state, _ = phase1.restore(step, abstract_state, None)
+  print(f"phase {phase.number} starts from {phase1.path(step)}")
+  if phase.fresh_optimizer:
+    state["opt_state"] = jax.jit(tx.init, out_shardings=shardings["opt_state"])(state["params"])
+  if phase.reinit_embeddings:
+    state = phases.reinit_embeddings(state, cfg.model, cfg.train.seed, shardings)
+  return state
 
 
 def param_count(abstract_params):

@@ -1,0 +1,68 @@
+"""Train-step throughput: tokens/s, FLOP/s, and their ratio to this machine's matmul peak.
+
+  python benchmarks/train_throughput.py configs/tiny.py [--config.a.b=v ...] [--steps=10]
+
+Random token batches (no data pipeline), the real jitted train step with its shardings.
+Reports compile time, then the median over `steps` timed steps; the matmul peak is measured
+in the same process, right before, in the model's compute dtype, at a size like the model's.
+"""
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from latent_jax import load_config, objectives
+from latent_jax.config import parse_cli
+from latent_jax.train import flops, sharding
+from latent_jax.train import step as steps
+from latent_jax.train.optim import build_optimizer
+
+
+def main(argv):
+  if not argv or argv[0].startswith("--"):
+    raise SystemExit(__doc__)
+  path, (_, overrides, flags) = argv[0], parse_cli(argv[1:])
+  cfg = load_config(path, overrides)
+  n_steps = int(flags.get("steps", 10))
+  mesh = sharding.make_mesh(cfg.mesh)
+  graphdef, abstract = steps.abstract_model(cfg.model)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+  shardings = steps.state_shardings(abstract, tx, mesh)
+  state = steps.init_state(cfg.model, 0, tx, shardings)
+  train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg))
+
+  b, t, v = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+  tokens = np.random.default_rng(0).integers(0, v, size=(b, t + 1)).astype(np.int32)
+  batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                                 "segment_ids": np.ones((b, t), np.int32),
+                                 "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1))}, mesh)
+
+  start = time.perf_counter()
+  compiled = train_step.lower(state, batch).compile()
+  compile_s = time.perf_counter() - start
+  state, m = compiled(state, batch)
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(n_steps):
+    start = time.perf_counter()
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - start)
+
+  step_s = float(np.median(times))
+  flops_per_token = flops.flops_per_token(cfg.model, t)
+  peak = flops.measure_matmul_peak(jax.numpy.dtype(cfg.model.dtype), n=min(2048, max(512, cfg.model.d_model * 2)))
+  result = {
+      "config": path, "overrides": overrides, "device": jax.devices()[0].device_kind,
+      "devices": jax.device_count(), "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),
+      "tokens_per_s": round(b * t / step_s, 1), "train_flops_per_token": flops_per_token,
+      "flops_per_s": b * t * flops_per_token / step_s, "matmul_peak_flops_per_s": peak * jax.device_count(),
+  }
+  result["ratio_to_matmul_peak"] = round(result["flops_per_s"] / result["matmul_peak_flops_per_s"], 3)
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
