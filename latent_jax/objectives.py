@@ -1,11 +1,13 @@
 """The training objective: a weighted sum of loss terms, each a pure function, each logged.
 
 `loss` in the metrics is always the per-token next-token cross-entropy (the LM loss), so runs
-with and without auxiliary terms compare on the same number.
+with and without auxiliary terms compare on the same number. (TST phase 1 trains on bags, so
+its `loss` is the multi-hot bag CE; `val_loss` is per-token NTP in every phase.)
 """
 import jax.numpy as jnp
 
 import pallas_kernels
+from latent_jax.ops import superposition as sup
 
 
 def token_cross_entropy(hidden, head_weight, targets, impl):
@@ -37,6 +39,36 @@ def lm_objective(model, batch, cfg):
   loss = masked_mean(ce, mask)
   metrics = {"loss": loss}
   total = loss
+  if cfg.train.z_loss:
+    metrics["z_loss"] = z_loss(lse, mask)
+    total = total + cfg.train.z_loss * metrics["z_loss"]
+  metrics["total_loss"] = total
+  return total, metrics
+
+
+def tst_objective(model, batch, cfg):
+  """TST phase 1: superposed bags in, multi-hot CE on the next bag out (docs/tst.md).
+
+  The batch holds rows of L*s tokens (L bags). `cfg.tst.superpose` picks the ablation:
+  "both" bags in and the next bag out; "input" bags in, the next token out; "output"
+  plain tokens in, the next s tokens out at every position. `loss` is this phase's LM loss.
+  """
+  t, s = cfg.tst, cfg.tst.s
+  if t.superpose in ("both", "input"):
+    bags = sup.superpose_embeddings(model.embed_tokens(batch["inputs"]), s)
+    out = model(None, sup.bag_segments(batch["segment_ids"], s),
+                sup.bag_positions(batch["segment_ids"], batch["positions"], s, t.positions),
+                logits=False, embeddings=bags)
+    labels = sup.next_bag_targets(batch["targets"], s)
+    labels = labels if t.superpose == "both" else labels[..., :1]
+  else:
+    out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
+    labels = sup.next_token_bags(batch["targets"], s)
+  ce, lse = sup.multihot_cross_entropy(out.hidden, model.head_weight().astype(out.hidden.dtype), labels,
+                                       cfg.kernels.impl, return_lse=True)
+  mask = jnp.any(labels >= 0, axis=-1).astype(jnp.float32)
+  metrics = {"loss": masked_mean(ce, mask)}
+  total = metrics["loss"]
   if cfg.train.z_loss:
     metrics["z_loss"] = z_loss(lse, mask)
     total = total + cfg.train.z_loss * metrics["z_loss"]

@@ -37,13 +37,24 @@ class BaselineLM(nnx.Module):
     """The LM head as a [d, vocab] matrix (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
-  def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, cache=None, cache_index=None):
-    """tokens [B, T] int32 -> ModelOutput; segment_ids mask attention across documents."""
+  def embed_tokens(self, tokens):
+    """tokens [B, T] int32 -> input embeddings [B, T, d] in the compute dtype."""
+    return self.embed[...].astype(self.dtype)[tokens]
+
+  def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, cache=None, cache_index=None,
+               embeddings=None):
+    """tokens [B, T] int32 -> ModelOutput; segment_ids mask attention across documents.
+
+    `embeddings` [B, T, d], if given, replaces the token lookup (TST's superposed bags);
+    `tokens` is then unused and may be None.
+    """
+    if embeddings is not None:
+      tokens = jnp.zeros(embeddings.shape[:2], jnp.int32)
     if segment_ids is None:
       segment_ids = jnp.zeros_like(tokens)
     if positions is None:
       positions = default_positions(tokens) if cache_index is None else cache_index + default_positions(tokens)
-    x = self.embed[...].astype(self.dtype)[tokens]
+    x = self.embed_tokens(tokens) if embeddings is None else embeddings.astype(self.dtype)
     x, cache = self.blocks(x, positions, segment_ids, cache, cache_index)
     h = self.final_norm(x)
     out_logits = h @ self.head_weight().astype(self.dtype) if logits else None

@@ -1,7 +1,8 @@
 """Orbax checkpoints of a run: params, optimiser state, data iterator state and metadata.
 
-Layout: WORKDIR/checkpoints/STEP/{params, opt_state, data, meta}. `params` is its own item
-so evaluation, generation and export restore it without the optimiser. Saves are async;
+Layout: WORKDIR/checkpoints/STEP/{params, opt_state, data, meta}; TST runs also keep their
+phase-1 result in WORKDIR/phase1/STEP/..., which max_to_keep never removes. `params` is its
+own item so evaluation, generation and export restore it without the optimiser. Saves are async;
 an interrupted save leaves only a temporary folder that the next start ignores and removes.
 """
 import json
@@ -14,8 +15,9 @@ import orbax.checkpoint as ocp
 
 
 class Checkpoints:
-  def __init__(self, workdir, keep=2, async_save=True):
-    self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+  def __init__(self, workdir, keep=2, async_save=True, subdir="checkpoints"):
+    """Checkpoints in WORKDIR/SUBDIR (TST keeps its phase-1 result apart, in WORKDIR/phase1)."""
+    self.directory = os.path.abspath(os.path.join(workdir, subdir))
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options)

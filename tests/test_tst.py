@@ -1,0 +1,332 @@
+"""Token-Superposition Training: the bag math against NumPy, the config checks, and the two-phase
+loop end to end (the switch through the phase-1 checkpoint, carry modes, resume across the
+switch, per-phase tokens and FLOPs)."""
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import ROOT, TINY_OVERRIDES
+from latent_jax import ConfigError, load_config, objectives
+from latent_jax.config import validate_tst
+from latent_jax.ops import superposition as sup
+from latent_jax.train import checkpoint, phases
+from latent_jax.train import step as steps
+from latent_jax.train.loop import train
+from latent_jax.train.metrics import read_metrics
+from latent_jax.train.optim import build_optimizer, learning_rate_schedule
+
+TINY_TST = os.path.join(ROOT, "configs", "tiny_tst.py")
+# 4 steps: phase 1 is steps 1-2 (rows of 32*4 tokens -> 32 bags), phase 2 steps 3-4.
+RUN = TINY_OVERRIDES + ["train.steps=4", "tst.r=0.5", "tst.s=4", "train.checkpoint_every=1",
+                        "train.eval_every=2", "optim.warmup_steps=1"]
+N1 = 2
+
+
+# ----------------------------------------------------------------------------- NumPy references
+
+
+def np_log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def np_multihot_ce(hidden, weight, labels):
+  """Per row: mean over the bag's non-ignored labels (each occurrence) of -log softmax(z)[y]."""
+  logp = np_log_softmax(hidden.astype(np.float64) @ weight.astype(np.float64))
+  out = np.zeros(labels.shape[:-1])
+  for idx in np.ndindex(*labels.shape[:-1]):
+    kept = [y for y in labels[idx] if y >= 0]
+    out[idx] = -np.mean([logp[idx][y] for y in kept]) if kept else 0.0
+  return out
+
+
+def np_next_bags(targets, s):
+  """labels[b, j, k] = token (j+1)*s + k of the row's window = targets[j*s + s-1 + k], else -1."""
+  b, t = targets.shape
+  out = -np.ones((b, t // s, s), np.int64)
+  for bi in range(b):
+    for j in range(t // s):
+      for k in range(s):
+        if j * s + s - 1 + k < t:
+          out[bi, j, k] = targets[bi, j * s + s - 1 + k]
+  return out
+
+
+def np_bag_positions(segments, positions, s, mode):
+  """Walk each row: a bag's segment is its last token's; positions restart per segment."""
+  b, t = segments.shape
+  out = np.zeros((b, t // s), np.int64)
+  for bi in range(b):
+    count, prev = 0, None
+    for j in range(t // s):
+      seg = segments[bi, j * s + s - 1]
+      count = 0 if seg != prev else count + 1
+      prev = seg
+      first_in_seg = next(i for i in range(j * s, j * s + s) if segments[bi, i] == seg)
+      out[bi, j] = count if mode == "bag" else (positions[bi, j * s] if first_in_seg == j * s else 0)
+  return out
+
+
+def random_bags(rng, n, s, vocab):
+  labels = rng.integers(0, vocab, size=(n, s))
+  labels[rng.random((n, s)) < 0.25] = -1
+  labels[1] = -1                     # a bag with every label ignored
+  if s > 1:
+    labels[2, :] = labels[2, 0] if labels[2, 0] >= 0 else 5  # all duplicates
+    labels[3, :2] = 9                                        # one duplicate
+  return labels
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+@pytest.mark.parametrize("s", [1, 2, 4, 8])
+def test_multihot_cross_entropy_matches_numpy(s):
+  rng = np.random.default_rng(s)
+  b, length, d, vocab = 2, 5, 16, 50
+  hidden = rng.normal(size=(b, length, d)).astype(np.float32)
+  weight = (rng.normal(size=(d, vocab)) * 0.5).astype(np.float32)
+  labels = random_bags(rng, b * length, s, vocab).reshape(b, length, s)
+  got = sup.multihot_cross_entropy(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels), "xla")
+  np.testing.assert_allclose(np.asarray(got), np_multihot_ce(hidden, weight, labels), rtol=1e-5, atol=1e-6)
+  assert float(got.reshape(-1)[1]) == 0.0
+  if s == 1:  # plain CE, exactly as the NTP objective computes it
+    ce, _ = objectives.token_cross_entropy(jnp.asarray(hidden), jnp.asarray(weight), jnp.asarray(labels[..., 0]), "xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ce))
+
+
+def test_superpose_embeddings_and_next_bag_targets_match_numpy():
+  rng = np.random.default_rng(0)
+  for s in (1, 3, 4):
+    emb = rng.normal(size=(2, 6 * s, 5)).astype(np.float32)
+    got = np.asarray(sup.superpose_embeddings(jnp.asarray(emb), s))
+    want = np.stack([emb[:, j * s:(j + 1) * s].mean(1) for j in range(6)], axis=1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    targets = rng.integers(0, 30, size=(2, 6 * s))
+    targets[0, 4] = -1  # padding stays ignored
+    np.testing.assert_array_equal(np.asarray(sup.next_bag_targets(jnp.asarray(targets), s)), np_next_bags(targets, s))
+  with pytest.raises(ValueError, match="not a multiple of the bag size tst.s=4"):
+    sup.superpose_embeddings(jnp.zeros((1, 10, 3)), 4)
+
+
+def test_bag_positions_and_segments_follow_documents():
+  s = 4
+  segments = np.array([[1] * 6 + [2] * 7 + [3] * 3 + [4] * 8, [1] * 24])  # docs cut mid-bag and on a bag edge
+  positions = np.concatenate([np.arange(6), np.arange(7), np.arange(3), np.arange(8)])[None].repeat(2, 0)
+  positions[1] = np.arange(24)
+  for mode in ("bag", "token"):
+    got = sup.bag_positions(jnp.asarray(segments), jnp.asarray(positions), s, mode)
+    np.testing.assert_array_equal(np.asarray(got), np_bag_positions(segments, positions, s, mode))
+  np.testing.assert_array_equal(np.asarray(sup.bag_segments(jnp.asarray(segments), s))[0], [1, 2, 2, 3, 4, 4])
+  np.testing.assert_array_equal(np.asarray(sup.bag_positions(jnp.asarray(segments), jnp.asarray(positions), s))[0],
+                                [0, 0, 1, 0, 0, 1])
+
+
+def test_phase1_rows_of_l_times_s_tokens_give_l_positions():
+  cfg = load_config(TINY_TST, RUN)
+  first, second = phases.plan(cfg)
+  assert (first.seq_len, first.positions, second.seq_len, second.positions) == (128, 32, 32, 32)
+  assert (first.end, second.start, second.end) == (N1, N1, 4)
+
+  calls = []
+
+  class Spy:  # the model as the objective sees it, recording what the blocks are fed
+    def __init__(self, model):
+      self.model = model
+
+    def __getattr__(self, name):
+      return getattr(self.model, name)
+
+    def __call__(self, tokens, segment_ids, positions, **kw):
+      calls.append((kw["embeddings"].shape, segment_ids.shape, positions.shape))
+      return self.model(tokens, segment_ids, positions, **kw)
+
+  graphdef, params = steps.abstract_model(cfg.model)
+  batch = {k: jax.ShapeDtypeStruct((2, 128), jnp.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
+  objective = lambda p, b: objectives.tst_objective(Spy(nnx.merge(graphdef, p)), b, cfg)
+  loss, metrics = jax.eval_shape(objective, nnx.to_pure_dict(params), batch)  # traces, runs nothing
+  assert calls == [((2, 32, cfg.model.d_model), (2, 32), (2, 32))]
+  assert loss.shape == () and set(metrics) == {"loss", "total_loss"}
+
+
+def test_config_errors_are_clear(corpus_dir, tmp_path):
+  with pytest.raises(ConfigError, match=r"data.seq_len: 30 is not divisible by tst.s=4"):
+    load_config(TINY_TST, RUN + ["tst.budget=tokens", "data.seq_len=30"])
+  load_config(TINY_TST, RUN + ["data.seq_len=30"])  # budget "flops": rows of 120 tokens, 30 bags
+  with pytest.raises(ConfigError, match=r"tst.r: round\(tst.r \* train.steps\) = 0"):
+    load_config(TINY_TST, RUN + ["tst.r=0.1"])
+  with pytest.raises(ConfigError, match="tst.carry"):
+    load_config(TINY_TST, RUN + ["tst.carry=optimizer"])
+  with pytest.raises(ConfigError, match="optim.warmup_steps: 2 must be below both phases"):
+    load_config(TINY_TST, RUN + ["tst.carry=params", "optim.warmup_steps=2"])
+  cfg = load_config(TINY_TST, RUN)
+  cfg.model.name = "concept"
+  with pytest.raises(ConfigError, match="tst.enabled: TST is defined for model.name='baseline' only"):
+    validate_tst(cfg)
+  # Rows of seq_len * s tokens must fit the corpus: refused before anything is traced.
+  with pytest.raises(ConfigError, match="tst.budget: phase 1 reads rows of data.seq_len \\* tst.s = 5120 tokens"):
+    train(load_config(TINY_TST, RUN + [f"data.source={corpus_dir}", "tst.s=160"]), str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- the two-phase loop
+
+
+class Killed(Exception):
+  """Stands in for SIGKILL: the loop stops between steps without saving anything more."""
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  """Share compiled steps between the runs of this module (they trace identical programs)."""
+  from jax._src import compilation_cache
+  old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+         jax.config.jax_persistent_cache_min_entry_size_bytes)
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", old[0])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", old[1])
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", old[2])
+  compilation_cache.reset_cache()
+
+
+def run(workdir, corpus, *overrides, kill=None, monkeypatch=None):
+  """Train a tiny TST run; returns {phase: state at its first step} (host copies).
+
+  kill=(phase, n) raises Killed instead of that phase's n-th step of this call.
+  """
+  cfg = load_config(TINY_TST, RUN + [f"data.source={corpus}", *overrides])
+  first, counts, real = {}, {}, steps.make_train_step
+
+  def make_train_step(graphdef, tx, cfg, shardings, mesh, objective):
+    step_fn = real(graphdef, tx, cfg, shardings, mesh, objective)
+    phase = 1 if objective is objectives.tst_objective else 2
+
+    def recorded(state, batch):
+      counts[phase] = counts.get(phase, 0) + 1
+      if kill == (phase, counts[phase]):
+        raise Killed
+      first.setdefault(phase, jax.device_get(state))  # before the step donates it
+      return step_fn(state, batch)
+    return recorded
+
+  mp = monkeypatch or pytest.MonkeyPatch()
+  mp.setattr(steps, "make_train_step", make_train_step)
+  try:
+    train(cfg, str(workdir))
+  finally:
+    if monkeypatch is None:
+      mp.undo()
+  return first
+
+
+def saved_state(workdir, subdir, step):
+  """(train state, meta) of checkpoint `step` in WORKDIR/SUBDIR, on the host."""
+  cfg = load_config(TINY_TST, RUN)
+  _, abstract_params = steps.abstract_model(cfg.model)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract_params))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          jax.eval_shape(lambda: steps.init_state(cfg.model, 0, tx, None)))
+  ckpts = checkpoint.Checkpoints(str(workdir), subdir=subdir)
+  try:
+    state, meta = ckpts.restore(step, abstract, None)
+  finally:
+    ckpts.close()
+  return jax.device_get(state), meta
+
+
+def assert_trees_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, corpus_dir, compile_cache):
+  """An uninterrupted run: carry "all", a checkpoint every step, evaluation at steps 2 and 4."""
+  workdir = tmp_path_factory.mktemp("straight")
+  first = run(workdir, corpus_dir)
+  return workdir, first, saved_state(workdir, "checkpoints", 4)[0]["params"]
+
+
+def test_phase2_starts_from_the_saved_phase1_result_with_its_optimiser(straight):
+  workdir, first, _ = straight
+  saved, meta = saved_state(workdir, "phase1", N1)
+  assert meta["phase"] == 1 and meta["phase1_final"] is True and meta["step"] == N1
+  assert_trees_equal(first[2]["params"], saved["params"])   # exactly the params phase 1 saved
+  assert_trees_equal(first[2]["opt_state"], saved["opt_state"])  # carry "all": moments and count
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["3", "4"]  # phase 1's checkpoints rotated out...
+  assert os.listdir(workdir / "phase1") == [str(N1)]                  # ...its result stays
+
+  rows = read_metrics(str(workdir))
+  assert [(r["step"], r["phase"]) for r in rows] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+  cfg = load_config(TINY_TST, RUN)
+  assert rows[2]["lr"] == pytest.approx(float(learning_rate_schedule(cfg.optim, 4)(N1)))  # one schedule across both phases
+  # Tokens and FLOPs: phase 1 reads 4x the tokens per step for the same FLOPs (budget "flops").
+  tokens = np.diff([0] + [r["tokens"] for r in rows])
+  flops = np.diff([0] + [r["flops"] for r in rows])
+  assert list(tokens) == [8 * 128, 8 * 128, 8 * 32, 8 * 32]
+  assert abs(flops[0] / flops[3] - 1) < 0.01 and flops[0] == flops[1] and flops[2] == flops[3]
+  # Validation is plain per-token NTP on the same split in both phases.
+  assert "val_loss" in rows[1] and "val_loss" in rows[3] and rows[3]["val_loss"] < rows[1]["val_loss"] + 1
+
+
+def test_carry_params_restarts_optimiser_and_schedule(straight, tmp_path, corpus_dir, compile_cache):
+  # Start at the switch from the straight run's phase-1 result (a workdir holding only
+  # phase1/ resumes there), so that only phase 2 runs here.
+  shutil.copytree(straight[0] / "phase1", tmp_path / "phase1")
+  shutil.copy(straight[0] / "tokenizer.model", tmp_path / "tokenizer.model")
+  first = run(tmp_path, corpus_dir, "tst.carry=params", "tst.reinit_embeddings_at_switch=True")
+  saved, _ = saved_state(tmp_path, "phase1", N1)
+  assert sorted(first) == [2]
+  assert all(not np.any(x) for x in jax.tree.leaves(first[2]["opt_state"]))  # fresh: zero moments and count
+  p2, p1 = first[2]["params"], saved["params"]
+  reinit = ("embed", "lm_head")
+  assert_trees_equal({k: v for k, v in p2.items() if k not in reinit}, {k: v for k, v in p1.items() if k not in reinit})
+  assert not np.allclose(p2["embed"], p1["embed"]) and not np.allclose(p2["lm_head"], p1["lm_head"])
+  rows = read_metrics(str(tmp_path))
+  assert [(r["step"], r["phase"]) for r in rows] == [(3, 2), (4, 2)]
+  assert rows[0]["lr"] == 0.0  # the warmup starts again
+  assert rows[0]["tokens"] == 2 * 8 * 128 + 8 * 32  # phase 1's tokens are counted
+
+
+@pytest.mark.parametrize("kill", [(2, 1), (2, 2)], ids=["before-first-phase2-step", "after-first-phase2-step"])
+def test_resume_across_the_switch_is_bitwise(straight, tmp_path, corpus_dir, kill, compile_cache):
+  _, _, want = straight
+  with pytest.raises(Killed):
+    run(tmp_path, corpus_dir, kill=kill)
+  latest = sorted(int(x) for x in os.listdir(tmp_path / "checkpoints"))[-1]
+  assert latest == (1 if kill == (2, 1) else 3)  # resume from the phase-1 result, or from step 3
+  first = run(tmp_path, corpus_dir)
+  assert 1 not in first  # phase 1 is not run again
+  assert_trees_equal(saved_state(tmp_path, "checkpoints", 4)[0]["params"], want)
+  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4]
+
+
+def test_resume_when_killed_while_saving_the_phase1_result(straight, tmp_path, corpus_dir, compile_cache, monkeypatch):
+  _, _, want = straight
+  real_save = checkpoint.Checkpoints.save
+
+  def save(self, step, *args):
+    if self.directory.endswith("phase1"):
+      raise Killed
+    return real_save(self, step, *args)
+
+  monkeypatch.setattr(checkpoint.Checkpoints, "save", save)
+  with pytest.raises(Killed):
+    run(tmp_path, corpus_dir, monkeypatch=monkeypatch)
+  monkeypatch.undo()
+  assert not os.listdir(tmp_path / "phase1")
+  first = run(tmp_path, corpus_dir)  # redoes phase-1 step 2 from checkpoint 1 and its iterator state
+  assert sorted(first) == [1, 2]
+  assert_trees_equal(saved_state(tmp_path, "checkpoints", 4)[0]["params"], want)
