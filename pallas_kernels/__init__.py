@@ -4,7 +4,7 @@
 """
 
 from pallas_kernels._common import IMPLS
-from pallas_kernels.codebook_mix import codebook_mix
+from pallas_kernels.mixing import codebook_mix
 from pallas_kernels.cross_entropy import fused_cross_entropy
 
 __all__ = ["IMPLS", "codebook_mix", "fused_cross_entropy"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as pl_triton
 
 # Every public kernel takes `impl=` from this list.
 #   naive             materialise everything; the plain-JAX reference the others must equal
@@ -36,6 +37,15 @@ def resolve_impl(impl: str) -> tuple[str, bool]:
         # A Pallas kernel cannot be compiled for CPU; interpreting is the only way to run it.
         return "pallas", backend == "cpu"
     return impl, False
+
+
+def compiler_params(interpret: bool):
+    """Triton on GPU: the kernels are written for it (grid over owned blocks, reduction
+    loops inside, whole operands sliced with pl.ds). jax's GPU default is now Mosaic GPU,
+    which would stage whole operands in shared memory. Backend defaults elsewhere."""
+    if interpret or jax.default_backend() != "gpu":
+        return None
+    return pl_triton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def round_up(x: int, m: int) -> int:

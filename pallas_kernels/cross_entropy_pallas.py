@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import MASK, matmul, next_pow2, pad_to, round_up
+from pallas_kernels._common import MASK, compiler_params, matmul, next_pow2, pad_to, round_up
 
 # Default tiles, sized for a GPU program: a [64, 128] fp32 logits tile plus [64, 64] and
 # [64, 128] operand slices stay in registers / shared memory.
@@ -166,6 +166,7 @@ def _call(kernel, cfg, grid, out_spec, out_shape, *args):
         out_specs=out_spec,
         out_shape=out_shape,
         interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret),
     )(*args)
 
 

@@ -225,3 +225,31 @@ def test_codebook_mix_errors():
         pk.codebook_mix(jnp.zeros((2, 4, 8)), jnp.zeros((4, 9, 3)))
     with pytest.raises(ValueError, match="pallas_interpret"):
         pk.codebook_mix(jnp.zeros((2, 4, 8)), jnp.zeros((4, 8, 3)), impl="triton")
+
+
+# ----------------------------------------------------------- GPU lowering
+def test_pallas_kernels_lower_for_gpu(monkeypatch):
+    """No GPU here, but JAX can lower for CUDA from a CPU host: this catches kernel code
+    that the Triton backend cannot express (shapes, ops), forward and backward."""
+    import pallas_kernels.cross_entropy_pallas as ce_pallas
+    import pallas_kernels.mixing as mixing
+    from jax.experimental.pallas import triton as pl_triton
+
+    params = lambda interpret: pl_triton.CompilerParams(num_warps=4, num_stages=2)
+    monkeypatch.setattr(ce_pallas, "compiler_params", params)
+    monkeypatch.setattr(mixing, "compiler_params", params)
+
+    def ce(h, w, y):
+        f = lambda h, w: ce_pallas.pallas_cross_entropy(h, w, y, 30.0, False)[0].sum()
+        return jax.value_and_grad(f, argnums=(0, 1))(h, w)
+
+    def mix(l, e):
+        f = lambda l, e: mixing.mix_pallas(l, e, "softmax", False).astype(jnp.float32).sum()
+        return jax.value_and_grad(f, argnums=(0, 1))(l, e)
+
+    sds = jax.ShapeDtypeStruct
+    for fn, args in ((ce, (sds((70, 40), jnp.bfloat16), sds((40, 300), jnp.bfloat16),
+                           sds((70, 2), jnp.int32))),
+                     (mix, (sds((70, 4, 12), jnp.float32), sds((4, 12, 6), jnp.float32)))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("xla.gpu.triton") == 3  # forward and two backward kernels

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import MASK, PRECISION, matmul, next_pow2, pad_to, resolve_impl, round_up
+from pallas_kernels._common import MASK, PRECISION, compiler_params, matmul, next_pow2, pad_to, resolve_impl, round_up
 
 MODES = ("softmax", "raw")
 BLOCK_M = 64  # rows (concepts) per program
@@ -97,6 +97,7 @@ def _mix(l, e, cfg):  # l [S, M, N], e [S, N, K] -> [S, M, K], all padded to til
         out_specs=_rows(cfg.bm, k),
         out_shape=jax.ShapeDtypeStruct((s, m, k), e.dtype),
         interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret),
     )(l, e)
 
 
@@ -114,6 +115,7 @@ def _mix_bwd(cfg, res, g):
         out_specs=_rows(cfg.bm, n),
         out_shape=jax.ShapeDtypeStruct((s, m, n), jnp.float32),
         interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret),
     )(l, e, g)
     de = pl.pallas_call(
         functools.partial(_dcodebook_kernel, cfg=cfg),
@@ -122,6 +124,7 @@ def _mix_bwd(cfg, res, g):
         out_specs=_segment(e.shape),
         out_shape=jax.ShapeDtypeStruct(e.shape, jnp.float32),
         interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret),
     )(l, g)
     return dl.astype(l.dtype), de.astype(e.dtype)
 
