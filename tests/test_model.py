@@ -13,11 +13,18 @@ def make(cfg, seed=0):
   return build_model(cfg.model, nnx.Rngs(seed))
 
 
+def jitted(model):
+  """The model's forward under jax.jit (eager op-by-op dispatch of a scan is slow on CPU)."""
+  graphdef, params = nnx.split(model)
+  fwd = jax.jit(lambda p, *args, **kw: nnx.merge(graphdef, p)(*args, **kw))
+  return lambda *args, **kw: fwd(params, *args, **kw)
+
+
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("with_docs", [False, True])
 def test_no_future_leakage(tiny_cfg, window, with_docs):
   tiny_cfg.model.window = window
-  model = make(tiny_cfg)
+  model = jitted(make(tiny_cfg))
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 320, size=(2, 24))
   seg = np.repeat([[1] * 10 + [2] * 14], 2, axis=0) if with_docs else None
@@ -33,7 +40,7 @@ def test_no_future_leakage(tiny_cfg, window, with_docs):
 
 def test_documents_do_not_see_each_other(tiny_cfg):
   """With segment ids, the second document's logits equal those of running it alone."""
-  model = make(tiny_cfg)
+  model = jitted(make(tiny_cfg))
   a, b = np.arange(1, 11), np.arange(50, 64)
   seg = np.array([[1] * 10 + [2] * 14])
   pos = np.array([list(range(10)) + list(range(14))])
@@ -45,9 +52,10 @@ def test_documents_do_not_see_each_other(tiny_cfg):
 def test_kv_cache_decoding_matches_full_forward(tiny_cfg):
   tiny_cfg.model.window = 5  # shorter than the sequence: the cache must honour the window
   model = make(tiny_cfg)
+  cache = model.init_cache(2, 20)
+  model = jitted(model)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 320, size=(2, 20)))
   full = model(tokens).logits
-  cache = model.init_cache(2, 20)
   out = model(tokens[:, :7], cache=cache, cache_index=0)  # prefill
   steps = [out.logits]
   cache = out.cache
@@ -65,7 +73,7 @@ def test_remat_gives_same_grads(tiny_cfg):
     tiny_cfg.model.remat = remat
     graphdef, params = nnx.split(make(tiny_cfg))
     loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens).logits ** 2)
-    return jax.grad(loss)(params)
+    return jax.jit(jax.grad(loss))(params)
 
   for a, b in zip(jax.tree.leaves(grads(False)), jax.tree.leaves(grads(True))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -75,7 +83,7 @@ def test_bf16_and_tied_embeddings(tiny_cfg):
   tiny_cfg.model.update(param_dtype="bfloat16", dtype="bfloat16", tie_embeddings=True)
   model = make(tiny_cfg)
   assert not hasattr(model, "lm_head")
-  out = model(jnp.zeros((1, 8), jnp.int32))
+  out = jitted(model)(jnp.zeros((1, 8), jnp.int32))
   assert out.logits.dtype == jnp.bfloat16 and out.logits.shape == (1, 8, 320)
   assert model.embed.dtype == jnp.bfloat16
 
