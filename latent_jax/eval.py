@@ -7,6 +7,9 @@ rebuilt from the saved config exactly as in training.
 import json
 import sys
 
+import jax
+from flax import nnx
+
 from latent_jax.config import parse_cli
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.infer import load
@@ -18,11 +21,11 @@ def evaluate_dir(directory, step=None, max_batches=0):
   cfg, step = load.load_config(directory, step)
   graphdef, params = load.load_params(directory, cfg, step)
   data = build_data(cfg, directory)
-  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches)
+  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
+                             jax.process_index(), jax.process_count())
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1  # evaluation runs data-parallel only
   mesh = sharding.make_mesh(cfg.mesh)
   _, abstract = steps.abstract_model(cfg.model)
-  from flax import nnx
   param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
   eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh)
   result = steps.evaluate(eval_step, params, batches, steps.scored_bytes(batches, data.tokenizer.token_bytes), mesh)

@@ -36,7 +36,8 @@ def train(cfg, workdir):
   data = build_data(cfg, workdir)
   plan = phases.plan(cfg)
   phases.check_data(plan, data.train_tokens.size, cfg.data.batch_size)
-  val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
+  val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches,
+                                 jax.process_index(), jax.process_count())
   val_bytes = steps.scored_bytes(val_batches, data.tokenizer.token_bytes)
 
   # Model and state shardings (every phase's optimiser state has the same structure).
@@ -61,7 +62,8 @@ def train(cfg, workdir):
   peak *= jax.device_count()
   writer = MetricsWriter(workdir, step)
   print(f"{param_count(abstract_params) / 1e6:.2f}M params, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
-        f"train {data.train_tokens.size:,} tokens, val {data.val_tokens.size:,} tokens")
+        f"train {data.train_tokens.size:,} tokens, val {data.val_tokens.size:,} tokens, "
+        f"unigram entropy {data.unigram_entropy:.3f} nats/token")
 
   stop = install_stop_handler()
   bar = tqdm.tqdm(total=cfg.train.steps, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
