@@ -41,4 +41,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  try:
+    main(sys.argv[1:])
+  except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad paths and settings: no traceback
+    raise SystemExit(f"error: {e}") from None

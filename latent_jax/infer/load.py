@@ -20,17 +20,26 @@ def is_export(directory):
   return os.path.isfile(os.path.join(directory, "config.json")) and os.path.isdir(os.path.join(directory, "params"))
 
 
+def find_checkpoint(directory, step=None):
+  """(manager, step) of the given or newest checkpoint: regular ones, or a TST phase-1 result."""
+  managers = [checkpoint.Checkpoints(directory, subdir=sub) for sub in ("checkpoints", "phase1")
+              if os.path.isdir(os.path.join(directory, sub))]
+  found = [(s, m) for m in managers for s in m.manager.all_steps() if step is None or s == step]
+  if not found:
+    what = f"no checkpoint at step {step}" if step else "no checkpoints"
+    raise FileNotFoundError(f"--workdir {directory!r} has {what} and is not an export folder; "
+                            f"train first (python -m latent_jax.train ... --workdir {directory}).")
+  step, manager = max(found, key=lambda x: x[0])
+  return manager, step
+
+
 def load_config(directory, step=None):
   """(config, step) of a workdir's latest (or given) checkpoint, or of an export folder."""
   if is_export(directory):
     with open(os.path.join(directory, "config.json")) as f:
       return checkpoint.config_from_json(json.load(f)), None
-  ckpts = checkpoint.Checkpoints(directory)
-  step = step or ckpts.latest_step()
-  if step is None:
-    raise FileNotFoundError(f"--workdir {directory!r} has no checkpoints and is not an export folder; "
-                            f"train first (python -m latent_jax.train ... --workdir {directory}).")
-  return checkpoint.config_from_json(ckpts.restore_meta(step)["config"]), step
+  manager, step = find_checkpoint(directory, step)
+  return checkpoint.config_from_json(manager.restore_meta(step)["config"]), step
 
 
 def load_params(directory, cfg, step=None):
@@ -39,7 +48,8 @@ def load_params(directory, cfg, step=None):
   if is_export(directory):
     params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")), target)
   else:
-    params = checkpoint.Checkpoints(directory).restore_params(step, target)
+    manager, step = find_checkpoint(directory, step)
+    params = manager.restore_params(step, target)
   return graphdef, params
 
 
