@@ -35,13 +35,13 @@ def get_config():
   c.data.doc_separator = ""            # split .txt files into documents on this string ("" = one file, one doc)
 
   c.train = ml_collections.ConfigDict()
-  c.train.steps = 1500
+  c.train.steps = 600
   c.train.seed = 0
   c.train.z_loss = 0.0                 # weight of lse^2
   c.train.log_every = 25
-  c.train.eval_every = 250
+  c.train.eval_every = 200
   c.train.eval_batches = 16            # 0 = the whole validation split
-  c.train.checkpoint_every = 250
+  c.train.checkpoint_every = 200
   c.train.keep_checkpoints = 2
   c.train.peak_flops = 0.0             # per device; 0 = known for the device kind, or measured on CPU
 
@@ -49,7 +49,7 @@ def get_config():
   c.optim.name = "adamw"               # adamw | muon
   c.optim.lr = 3e-3
   c.optim.schedule = "cosine"          # cosine | wsd | constant
-  c.optim.warmup_steps = 100
+  c.optim.warmup_steps = 50
   c.optim.min_lr_ratio = 0.1           # floor of the schedule, as a fraction of lr
   c.optim.decay_fraction = 0.1         # wsd: fraction of steps spent decaying
   c.optim.b1 = 0.9
