@@ -102,6 +102,16 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), cache
 
 
+def stacked_blocks(cfg, num_layers, rngs):
+  """`num_layers` Blocks whose parameters are stacked on a leading layer axis, for `jax.lax.scan`."""
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return Block(cfg, rngs)
+
+  return make(rngs)
+
+
 class BlockStack(nnx.Module):
   """`num_layers` blocks with stacked parameters, applied with `jax.lax.scan`.
 
@@ -110,12 +120,7 @@ class BlockStack(nnx.Module):
   """
 
   def __init__(self, cfg, num_layers, rngs):
-    @nnx.split_rngs(splits=num_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
-      return Block(cfg, rngs)
-
-    self.blocks = make(rngs)
+    self.blocks = stacked_blocks(cfg, num_layers, rngs)
     self.num_layers = num_layers
     self.windows = (num_layers, cfg.window, cfg.full_attention_every)
     self.remat = cfg.remat
