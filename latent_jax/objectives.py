@@ -7,6 +7,7 @@ its `loss` is the multi-hot bag CE; `val_loss` is per-token NTP in every phase.)
 import jax.numpy as jnp
 
 import pallas_kernels
+from latent_jax.ops import concepts as C
 from latent_jax.ops import superposition as sup
 
 
@@ -30,9 +31,8 @@ def z_loss(lse, mask):
   return masked_mean(jnp.square(lse), mask)
 
 
-def lm_objective(model, batch, cfg):
-  """NTP (+ z-loss) for the baseline. Returns (total loss, metrics dict)."""
-  out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
+def ntp_terms(model, out, batch, cfg):
+  """NTP (+ z-loss) of a forward pass `out`. Returns (loss so far, metrics dict)."""
   mask = (batch["targets"] >= 0).astype(jnp.float32)
   ce, lse = token_cross_entropy(out.hidden, model.head_weight().astype(out.hidden.dtype),
                                 batch["targets"], cfg.kernels.impl)
@@ -42,8 +42,33 @@ def lm_objective(model, batch, cfg):
   if cfg.train.z_loss:
     metrics["z_loss"] = z_loss(lse, mask)
     total = total + cfg.train.z_loss * metrics["z_loss"]
+  return total, metrics
+
+
+def lm_objective(model, batch, cfg):
+  """NTP (+ z-loss) for the baseline. Returns (total loss, metrics dict)."""
+  out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
+  total, metrics = ntp_terms(model, out, batch, cfg)
   metrics["total_loss"] = total
   return total, metrics
+
+
+def ncp_objective(model, batch, cfg):
+  """NCP-ArchPreview Eq. 24: L_NTP + alpha L_NCP + beta L_VQ (+ z-loss), each term logged on its own."""
+  out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False, **model_kwargs(cfg))
+  total, metrics = ntp_terms(model, out, batch, cfg)
+  a, m, n = out.aux, cfg.model, cfg.ncp
+  metrics["ncp_loss"] = C.ncp_loss(a["predicted"], a["concepts"], m.num_segments, n.reduction, a["ncp_mask"])
+  metrics["vq_loss"] = C.vq_loss(a["concepts"], a["quantized"], m.num_segments, n.reduction)
+  metrics.update(C.codebook_usage(a["codes"], m.codebook_size))
+  total = total + n.alpha * metrics["ncp_loss"] + n.beta * metrics["vq_loss"]
+  metrics["total_loss"] = total
+  return total, metrics
+
+
+def model_kwargs(cfg):
+  """Extra call arguments of the configured model: ConceptLM's codebook-mixing kernel."""
+  return {"impl": cfg.kernels.impl} if cfg.model.name == "concept" else {}
 
 
 def tst_objective(model, batch, cfg):
@@ -78,7 +103,7 @@ def tst_objective(model, batch, cfg):
 
 def eval_sums(model, batch, cfg):
   """Summed NLL and count of scored tokens for one validation batch (for loss and bits/byte)."""
-  out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
+  out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False, **model_kwargs(cfg))
   ce, _ = token_cross_entropy(out.hidden, model.head_weight().astype(out.hidden.dtype),
                               batch["targets"], cfg.kernels.impl)
   mask = batch["targets"] >= 0
@@ -87,4 +112,6 @@ def eval_sums(model, batch, cfg):
 
 def objective_for(cfg):
   """The training objective for the configured model: (model, batch, cfg) -> (total, metrics)."""
+  if cfg.model.name == "concept":
+    return ncp_objective
   return lm_objective
