@@ -45,6 +45,36 @@ def baseline_flops_per_token(m, seq_len):
   return 3 * forward
 
 
+def residual_flops_per_position(m, num_layers, source_depths):
+  """IRC (weight MLP + history mixture) and CRC (weight MLP + source mixture) of one module, per position."""
+  d, h = m.d_model, m.residual_hidden
+  irc = num_layers * (2 * d * h + 2 * h * (num_layers + 1) + 2 * (num_layers + 1) * d) if m.irc else 0
+  crc = sum(num_layers * (2 * d * h + 2 * h * k + 2 * k * d) for k in source_depths)
+  return irc + crc
+
+
+def concept_forward_flops(m, seq_len):
+  """Forward FLOPs per token of ConceptLM by part (NCP Table 2 / Appendix D).
+
+  Encoder and decoder run on every token; the concept module, prediction heads, codebook
+  mixture and PQ assignment run once per chunk, so they cost M/T ~ 1/k of their per-position
+  FLOPs per token. The concept module's window counts concepts, like its positions.
+  """
+  e, c, dl, k = m.encoder_layers, m.concept_layers, m.decoder_layers, m.chunk_size
+  d, s, n = m.d_model, m.num_segments, m.codebook_size
+  per_concept = (seq_len // k) / seq_len
+  return {
+      "encoder": stack_flops_per_token(m, e, seq_len) + residual_flops_per_position(m, e, ()),
+      "concept": per_concept * (stack_flops_per_token(m, c, seq_len // k)
+                                + residual_flops_per_position(m, c, (e,) if m.crc_encoder_concept else ())),
+      "decoder": stack_flops_per_token(m, dl, seq_len) + residual_flops_per_position(
+          m, dl, [x for x, on in [(e, m.crc_encoder_decoder), (c, m.crc_concept_decoder)] if on]),
+      "heads": per_concept * 2 * d * s * n,                # d -> S*N logits
+      "codebook": per_concept * 2 * (2 * n * d),           # mixture (Eq. 9) + PQ distances (Eq. 4)
+      "lm_head": 2 * d * m.vocab_size,
+  }
+
+
 def peak_flops(configured=0.0, dtype=jnp.float32):
   """Per-device peak: the configured value, else the data sheet for the device, else measured."""
   if configured:
@@ -71,4 +101,6 @@ def measure_matmul_peak(dtype=jnp.float32, n=1024, repeats=5):
 
 def flops_per_token(model_cfg, seq_len):
   """Training FLOPs per token of the configured model."""
+  if model_cfg.name == "concept":
+    return 3 * sum(concept_forward_flops(model_cfg, seq_len).values())
   return baseline_flops_per_token(model_cfg, seq_len)
