@@ -1,0 +1,14 @@
+"""NCP-ArchPreview 8.94B (Table 10): E/C/D = 16/8/16 at OLMo-3-7B width, k=4, S=32, N=128.
+
+Derived from configs/olmo3_7b.py (same backbone, data and optimiser); docs/ncp.md lists the
+choices the paper leaves open. 8,939,886,208 parameters; the codebook has N*d = 524,288.
+"""
+import olmo3_7b  # configs load with their own folder on sys.path
+import tiny_ncp
+
+
+def get_config():
+  c = tiny_ncp.add_ncp(olmo3_7b.get_config())
+  c.model.update(encoder_layers=16, concept_layers=8, decoder_layers=16, chunk_size=4, num_segments=32,
+                 codebook_size=128)
+  return c

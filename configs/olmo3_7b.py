@@ -1,0 +1,21 @@
+"""OLMo-3-7B-shaped baseline: 32 layers at d=4096, the width of NCP-ArchPreview (Table 10).
+
+The vanilla reference of the NCP ablations. Not for CPUs: `data.source` must name the
+pretraining corpus and the mesh should shard (e.g. --config.mesh.fsdp=-1 --config.mesh.data=1).
+"""
+import tiny  # configs load with their own folder on sys.path
+
+
+def get_config():
+  c = tiny.get_config()
+  c.model.update(vocab_size=100_278, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                 mlp_dim=11_008, rope_base=500_000.0, norm_eps=1e-6, qk_norm="layer", block_order="post",
+                 window=4096, full_attention_every=4, tie_embeddings=False, param_dtype="bfloat16",
+                 dtype="bfloat16", remat=True)
+  c.data.update(source="data/dolma3/*.jsonl", seq_len=8192, batch_size=512)  # ~4.2M tokens per step
+  c.train.update(steps=1_370_000, z_loss=1e-5, log_every=10, eval_every=5000, eval_batches=64,
+                 checkpoint_every=5000)  # ~5.73T tokens (NCP Stage 1)
+  c.optim.update(name="muon", lr=6e-5, schedule="cosine", warmup_steps=2000, min_lr_ratio=0.1,
+                 weight_decay=0.1, clip_norm=1.0)
+  c.mesh.update(data=1, fsdp=-1, tensor=1)
+  return c
