@@ -1,7 +1,8 @@
 """Tiny NCP-ArchPreview ConceptLM (docs/ncp.md): configs/tiny.py with a 2/2/2-layer hierarchy, k=4.
 
-`add_ncp(c)` adds every NCP field with its default (paper choices unless noted); larger NCP
-recipes (configs/ncp_archpreview_8b.py) call it too. ConceptLM ignores model.num_layers.
+`add_ncp(c)` adds every NCP field with its default (the paper's choices, except the loss
+reduction); larger NCP recipes (configs/ncp_archpreview_8b.py) call it too. ConceptLM ignores
+model.num_layers.
 """
 import ml_collections
 
@@ -34,7 +35,9 @@ def add_ncp(c):
   c.ncp = ml_collections.ConfigDict()
   c.ncp.alpha = 1.0                    # weight of L_NCP (Eq. 24; the paper gives none)
   c.ncp.beta = 1.0                     # weight of L_VQ
-  c.ncp.reduction = "paper"            # paper (Eq. 21-22) | algorithm1 (NCP / S) | released (elementwise means)
+  # paper (Eq. 21-22) | algorithm1 (NCP / S) | released (elementwise means). Released by default:
+  # Eq. 22 is a squared norm over d dims, and at alpha=1 it slows NTP (docs/ncp.md).
+  c.ncp.reduction = "released"
   return c
 
 

@@ -19,6 +19,8 @@ from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
 
 CODEBOOK_INIT_STD = 0.02  # released code: codebook [S, N, d/S] ~ N(0, 0.02)
+NO_CACHE = ("ConceptLM has no incremental decoding yet (it needs a concept cache, docs/ncp.md); "
+            "call it on whole sequences.")
 
 
 def const(shape, value, axes, dtype):
@@ -122,12 +124,14 @@ class ConceptLM(nnx.Module):
     """The LM head as a [d, vocab] matrix (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
+  def init_cache(self, *args, **kwargs):
+    raise NotImplementedError(NO_CACHE)
+
   def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, impl="auto", cache=None,
                cache_index=None):
     """tokens [B, T] int32 -> ModelOutput; `impl` picks the codebook-mixing kernel."""
     if cache is not None or cache_index is not None:
-      raise NotImplementedError("ConceptLM has no incremental decoding yet (it needs a concept cache); "
-                                "call it on whole sequences.")
+      raise NotImplementedError(NO_CACHE)
     cfg, k = self.cfg, self.cfg.chunk_size
     b, t = tokens.shape
     if segment_ids is None:
