@@ -12,7 +12,7 @@ from jax.experimental.pallas import triton as pl_triton
 #   xla               chunked plain JAX with a hand-written VJP; the CPU default
 #   pallas            the Pallas kernel, compiled on GPU/TPU (interpreted on CPU: nothing else runs there)
 #   pallas_interpret  the Pallas kernel in interpret mode on any backend (tests, debugging)
-#   auto              "pallas" on gpu/tpu, "xla" on cpu
+#   auto              "pallas" on gpu/tpu, "xla" on cpu (fused_cross_entropy: "xla" on tpu too)
 IMPLS = ("auto", "naive", "xla", "pallas", "pallas_interpret")
 
 # fp32 inputs must not silently drop to TF32 / bf16 passes on GPU/TPU: the kernels promise
@@ -24,13 +24,14 @@ PRECISION = lax.Precision.HIGHEST
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def resolve_impl(impl: str) -> tuple[str, bool]:
-    """Map a user-facing impl name to (family, interpret) at trace time."""
+def resolve_impl(impl: str, pallas_backends=("gpu", "tpu")) -> tuple[str, bool]:
+    """Map a user-facing impl name to (family, interpret) at trace time; "auto" means
+    "pallas" on `pallas_backends`, "xla" elsewhere."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     backend = jax.default_backend()
     if impl == "auto":
-        impl = "xla" if backend == "cpu" else "pallas"
+        impl = "pallas" if backend in pallas_backends else "xla"
     if impl == "pallas_interpret":
         return "pallas", True
     if impl == "pallas":

@@ -27,10 +27,11 @@ from jax import lax
 from pallas_kernels._common import matmul, pad_to, resolve_impl, round_up
 from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
 
-# One chunk of fp32 logits in the xla path is about this many bytes: big enough that each
-# chunk is a large, efficient matmul and the d_weight accumulator (carried through the scan)
-# is revisited few times, small enough to be "tens of MB" next to the [n, V] of naive.
-CHUNK_BYTES = 64 * 2**20
+# One chunk of fp32 logits in the xla path is at most about this many bytes (512 tokens at
+# V=100k), and at most MAX_CHUNK tokens. Measured on CPU (docs/kernels.md): 128-token
+# chunks ran ~30% slower than 512 or 1024, probably because h_c^T dz contracts over the chunk only (a poor GEMM) and every
+# chunk rewrites the whole fp32 d_weight accumulator. Still a fraction of naive's memory.
+CHUNK_BYTES, MAX_CHUNK = 256 * 2**20, 1024
 
 
 # ---------------------------------------------------------------------------- math
@@ -79,10 +80,10 @@ def naive_cross_entropy(hidden, weight, labels, cap):
 
 # ----------------------------------------------------------------------------- xla
 def default_chunk(n: int, vocab: int) -> int:
-    """Tokens per chunk: a power of two near CHUNK_BYTES of fp32 logits, no more than n needs."""
+    """Tokens per chunk: a power of two within CHUNK_BYTES of fp32 logits, no more than n needs."""
     rows = max(1, CHUNK_BYTES // (4 * vocab))
     c = 1 << (rows.bit_length() - 1)  # the largest power of two <= rows
-    return min(max(c, 16), 2048, round_up(n, 8))
+    return min(max(c, 16), MAX_CHUNK, round_up(n, 8))
 
 
 def _split(chunk, *xs):
@@ -208,10 +209,13 @@ def fused_cross_entropy(
     hidden [n, d], weight [d, vocab], labels [n, s] int (s=1 plain CE, s>1 bag mean,
     negative = ignored, must be < vocab). Logits are fp32 whatever the input dtype.
     Returns loss [n] float32, or (loss, lse) with return_lse (lse is differentiable too,
-    for a z-loss). chunk_size: tokens per chunk for impl="xla" (default: ~64 MiB of logits).
+    for a z-loss). chunk_size: tokens per chunk for impl="xla" (default: <= 256 MiB of logits).
+    impl: one of IMPLS; "auto" is "pallas" on GPU and "xla" on CPU and TPU.
     """
     _check(hidden, weight, labels, logit_soft_cap, chunk_size)
-    family, interpret = resolve_impl(impl)
+    # The Pallas kernel is Triton-shaped (whole operands sliced in the kernel); on TPU those
+    # operands would have to fit in VMEM, so "auto" keeps the chunked XLA path there.
+    family, interpret = resolve_impl(impl, pallas_backends=("gpu",))
     labels = labels.astype(jnp.int32)
     # One compute dtype for both matmul operands (bf16 stays bf16, mixed goes up).
     dtype = jnp.promote_types(hidden.dtype, weight.dtype)
