@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import MASK, PRECISION, compiler_params, matmul, next_pow2, pad_to, resolve_impl, round_up
+from pallas_kernels._common import (MASK, PRECISION, compiler_params, matmul, next_pow2, pad_to,
+                                    resolve_impl, round_up)
 
 MODES = ("softmax", "raw")
 BLOCK_M = 64  # rows (concepts) per program
