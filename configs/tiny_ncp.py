@@ -33,11 +33,13 @@ def add_ncp(c):
   c.model.crc_scale_init = 0.02        # D at init (0 = CRC starts as the plain model)
 
   c.ncp = ml_collections.ConfigDict()
-  c.ncp.alpha = 1.0                    # weight of L_NCP (Eq. 24; the paper gives none)
-  c.ncp.beta = 1.0                     # weight of L_VQ
-  # paper (Eq. 21-22) | algorithm1 (NCP / S) | released (elementwise means). Released by default:
-  # Eq. 22 is a squared norm over d dims, and at alpha=1 it slows NTP (docs/ncp.md).
-  c.ncp.reduction = "released"
+  # paper (Eq. 21-22, the default) | algorithm1 (NCP / S) | released (elementwise means).
+  c.ncp.reduction = "paper"
+  # The paper gives no alpha, beta. Eq. 22 sums squared errors over d dims and Eq. 21 over d/S,
+  # so weights 1/d and S/d give both terms per-dimension scale, as the released code's
+  # elementwise means have (docs/ncp.md). Overriding d_model or S? Override these too.
+  c.ncp.alpha = 1.0 / c.model.d_model  # weight of L_NCP (Eq. 24)
+  c.ncp.beta = c.model.num_segments / c.model.d_model  # weight of L_VQ
   return c
 
 
