@@ -10,7 +10,8 @@ from jax.experimental.pallas import triton as pl_triton
 # Every public kernel takes `impl=` from this list.
 #   naive             materialise everything; the plain-JAX reference the others must equal
 #   xla               chunked plain JAX with a hand-written VJP; the CPU default
-#   pallas            the Pallas kernel, compiled on GPU/TPU (interpreted on CPU: nothing else runs there)
+#   pallas            the Pallas kernel, compiled on GPU/TPU (interpreted on CPU, the only
+#                     way it runs there)
 #   pallas_interpret  the Pallas kernel in interpret mode on any backend (tests, debugging)
 #   auto              "pallas" on gpu/tpu, "xla" on cpu (fused_cross_entropy: "xla" on tpu too)
 IMPLS = ("auto", "naive", "xla", "pallas", "pallas_interpret")
@@ -25,47 +26,47 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def resolve_impl(impl: str, pallas_backends=("gpu", "tpu")) -> tuple[str, bool]:
-    """Map a user-facing impl name to (family, interpret) at trace time; "auto" means
-    "pallas" on `pallas_backends`, "xla" elsewhere."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
-    if impl == "auto":
-        impl = "pallas" if backend in pallas_backends else "xla"
-    if impl == "pallas_interpret":
-        return "pallas", True
-    if impl == "pallas":
-        # A Pallas kernel cannot be compiled for CPU; interpreting is the only way to run it.
-        return "pallas", backend == "cpu"
-    return impl, False
+  """Map a user-facing impl name to (family, interpret) at trace time; "auto" means
+  "pallas" on `pallas_backends`, "xla" elsewhere."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  backend = jax.default_backend()
+  if impl == "auto":
+    impl = "pallas" if backend in pallas_backends else "xla"
+  if impl == "pallas_interpret":
+    return "pallas", True
+  if impl == "pallas":
+    # A Pallas kernel cannot be compiled for CPU; interpreting is the only way to run it.
+    return "pallas", backend == "cpu"
+  return impl, False
 
 
 def compiler_params(interpret: bool):
-    """Triton on GPU: the kernels are written for it (grid over owned blocks, reduction
-    loops inside, whole operands sliced with pl.ds). jax's GPU default is now Mosaic GPU,
-    which would stage whole operands in shared memory. Backend defaults elsewhere."""
-    if interpret or jax.default_backend() != "gpu":
-        return None
-    return pl_triton.CompilerParams(num_warps=4, num_stages=2)
+  """Triton on GPU: the kernels are written for it (grid over owned blocks, reduction
+  loops inside, whole operands sliced with pl.ds). jax's GPU default is now Mosaic GPU,
+  which would stage whole operands in shared memory. Backend defaults elsewhere."""
+  if interpret or jax.default_backend() != "gpu":
+    return None
+  return pl_triton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+  return -(-x // m) * m
 
 
 def next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+  return 1 << max(0, (x - 1).bit_length())
 
 
 def pad_to(x: jax.Array, shape: tuple[int, ...], value=0) -> jax.Array:
-    """Pad each axis of `x` at its end up to `shape` (no-op when already that shape)."""
-    widths = [(0, t - s) for s, t in zip(x.shape, shape)]
-    if all(w == (0, 0) for w in widths):
-        return x
-    return jnp.pad(x, widths, constant_values=value)
+  """Pad each axis of `x` at its end up to `shape` (no-op when already that shape)."""
+  widths = [(0, t - s) for s, t in zip(x.shape, shape)]
+  if all(w == (0, 0) for w in widths):
+    return x
+  return jnp.pad(x, widths, constant_values=value)
 
 
 def matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int] = (1, 0)) -> jax.Array:
-    """2-D a @ b contracting a's axis contract[0] with b's contract[1], accumulated in fp32."""
-    dims = (((contract[0],), (contract[1],)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=PRECISION, preferred_element_type=jnp.float32)
+  """2-D a @ b contracting a's axis contract[0] with b's contract[1], accumulated in fp32."""
+  dims = (((contract[0],), (contract[1],)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=PRECISION, preferred_element_type=jnp.float32)

@@ -37,174 +37,188 @@ BLOCK_N, BLOCK_V, BLOCK_D = 64, 128, 64
 
 
 class _Cfg(NamedTuple):  # static (hashable) kernel parameters
-    vocab: int  # real vocab size; columns >= vocab are padding
-    cap: float | None
-    bn: int
-    bv: int
-    bd: int
-    interpret: bool
+  vocab: int  # real vocab size; columns >= vocab are padding
+  cap: float | None
+  bn: int
+  bv: int
+  bd: int
+  interpret: bool
 
 
 # ------------------------------------------------------------------ tile helpers
+def _d_slice(k, cfg):
+  """The k-th slice of bd along d. Values are only ever made bd wide along d: Triton wants
+  every array a power of two, and d (padded to a multiple of bd) need not be one."""
+  return pl.ds(pl.multiple_of(k * cfg.bd, cfg.bd), cfg.bd)
+
+
 def _tile_logits(h_ref, w_ref, rows, col0, cfg):
-    """Pre-cap fp32 logits h[rows] @ W[:, col0:col0+bv], the d axis taken bd at a time."""
+  """Pre-cap fp32 logits h[rows] @ W[:, col0:col0+bv], the d axis taken bd at a time."""
 
-    def step(k, acc):
-        ks = pl.ds(pl.multiple_of(k * cfg.bd, cfg.bd), cfg.bd)
-        return acc + matmul(h_ref[rows, ks], w_ref[ks, pl.ds(col0, cfg.bv)])
+  def step(k, acc):
+    ks = _d_slice(k, cfg)
+    return acc + matmul(h_ref[rows, ks], w_ref[ks, pl.ds(col0, cfg.bv)])
 
-    zero = jnp.zeros((cfg.bn, cfg.bv), jnp.float32)
-    return lax.fori_loop(0, h_ref.shape[1] // cfg.bd, step, zero)
+  zero = jnp.zeros((cfg.bn, cfg.bv), jnp.float32)
+  return lax.fori_loop(0, h_ref.shape[1] // cfg.bd, step, zero)
 
 
 def _soft_cap(z, cap):
-    return z if cap is None else cap * jnp.tanh(z / cap)
+  return z if cap is None else cap * jnp.tanh(z / cap)
 
 
 def _counts(label_refs, rows, col0, cfg):
-    """[bn, bv] fp32: how often each column of the tile occurs in each row's bag."""
-    cols = col0 + lax.broadcasted_iota(jnp.int32, (1, cfg.bv), 1)
-    counts = jnp.zeros((cfg.bn, cfg.bv), jnp.float32)
-    for lab_ref in label_refs:  # one ref per bag slot; s is small and static
-        counts += (lab_ref[rows][:, None] == cols).astype(jnp.float32)  # ignored (<0) never match
-    return counts
+  """[bn, bv] fp32: how often each column of the tile occurs in each row's bag."""
+  cols = col0 + lax.broadcasted_iota(jnp.int32, (1, cfg.bv), 1)
+  counts = jnp.zeros((cfg.bn, cfg.bv), jnp.float32)
+  for lab_ref in label_refs:  # one ref per bag slot; s is small and static
+    counts += (lab_ref[rows][:, None] == cols).astype(jnp.float32)  # ignored (<0) never match
+  return counts
 
 
 def _bag_scale(label_refs, rows):
-    """(has any label [bn], 1/#non-ignored labels or 0 [bn]) of a row block."""
-    n_valid = sum((lab_ref[rows] >= 0).astype(jnp.float32) for lab_ref in label_refs)
-    has = (n_valid > 0).astype(jnp.float32)
-    return has, has / jnp.maximum(n_valid, 1.0)
+  """(has any label [bn], 1/#non-ignored labels or 0 [bn]) of a row block."""
+  n_valid = sum((lab_ref[rows] >= 0).astype(jnp.float32) for lab_ref in label_refs)
+  has = (n_valid > 0).astype(jnp.float32)
+  return has, has / jnp.maximum(n_valid, 1.0)
 
 
 def _tile_dlogits(h_ref, w_ref, lse_ref, gl_ref, gz_ref, label_refs, rows, col0, cfg):
-    """d(sum g_loss*loss + g_lse*lse)/d(pre-cap logits) on one tile: scaled softmax - w."""
-    z = _soft_cap(_tile_logits(h_ref, w_ref, rows, col0, cfg), cfg.cap)
-    real = col0 + lax.broadcasted_iota(jnp.int32, (1, cfg.bv), 1) < cfg.vocab
-    counts = _counts(label_refs, rows, col0, cfg)
-    has, inv = _bag_scale(label_refs, rows)
-    g_loss, g_lse = gl_ref[rows], gz_ref[rows]
-    p = jnp.exp(jnp.where(real, z, MASK) - lse_ref[rows][:, None])
-    dz = (g_loss * has + g_lse)[:, None] * p - (g_loss * inv)[:, None] * counts
-    if cfg.cap is not None:  # through cap * tanh(u / cap): times 1 - (z / cap)^2
-        dz = dz * (1.0 - jnp.square(z / cfg.cap))
-    return dz
+  """d(sum g_loss*loss + g_lse*lse)/d(pre-cap logits) on one tile: scaled softmax - w."""
+  z = _soft_cap(_tile_logits(h_ref, w_ref, rows, col0, cfg), cfg.cap)
+  real = col0 + lax.broadcasted_iota(jnp.int32, (1, cfg.bv), 1) < cfg.vocab
+  counts = _counts(label_refs, rows, col0, cfg)
+  has, inv = _bag_scale(label_refs, rows)
+  g_loss, g_lse = gl_ref[rows], gz_ref[rows]
+  p = jnp.exp(jnp.where(real, z, MASK) - lse_ref[rows][:, None])
+  dz = (g_loss * has + g_lse)[:, None] * p - (g_loss * inv)[:, None] * counts
+  if cfg.cap is not None:  # through cap * tanh(u / cap): times 1 - (z / cap)^2
+    dz = dz * (1.0 - jnp.square(z / cfg.cap))
+  return dz
 
 
 # ----------------------------------------------------------------------- kernels
 def _fwd_kernel(h_ref, w_ref, *refs, cfg):
-    *label_refs, loss_ref, lse_ref = refs
-    rows = pl.ds(pl.multiple_of(pl.program_id(0) * cfg.bn, cfg.bn), cfg.bn)
+  *label_refs, loss_ref, lse_ref = refs
+  rows = pl.ds(pl.multiple_of(pl.program_id(0) * cfg.bn, cfg.bn), cfg.bn)
 
-    def tile(j, carry):
-        m, l, t = carry
-        col0 = pl.multiple_of(j * cfg.bv, cfg.bv)
-        z = _soft_cap(_tile_logits(h_ref, w_ref, rows, col0, cfg), cfg.cap)
-        real = col0 + lax.broadcasted_iota(jnp.int32, (1, cfg.bv), 1) < cfg.vocab
-        z = jnp.where(real, z, MASK)
-        m_new = jnp.maximum(m, z.max(axis=1))
-        l = l * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None]).sum(axis=1)
-        counts = _counts(label_refs, rows, col0, cfg)
-        return m_new, l, t + (counts * z).sum(axis=1)  # counts are 0 on masked columns
+  def tile(j, carry):
+    m, l, t = carry
+    col0 = pl.multiple_of(j * cfg.bv, cfg.bv)
+    z = _soft_cap(_tile_logits(h_ref, w_ref, rows, col0, cfg), cfg.cap)
+    real = col0 + lax.broadcasted_iota(jnp.int32, (1, cfg.bv), 1) < cfg.vocab
+    z = jnp.where(real, z, MASK)
+    m_new = jnp.maximum(m, z.max(axis=1))
+    l = l * jnp.exp(m - m_new) + jnp.exp(z - m_new[:, None]).sum(axis=1)
+    counts = _counts(label_refs, rows, col0, cfg)
+    return m_new, l, t + (counts * z).sum(axis=1)  # counts are 0 on masked columns
 
-    init = (jnp.full((cfg.bn,), MASK, jnp.float32),) + (jnp.zeros((cfg.bn,), jnp.float32),) * 2
-    m, l, t = lax.fori_loop(0, w_ref.shape[1] // cfg.bv, tile, init)
-    lse = m + jnp.log(l)
-    has, inv = _bag_scale(label_refs, rows)
-    loss_ref[...] = has * lse - inv * t  # an all-ignored row: exactly 0
-    lse_ref[...] = lse
+  init = (jnp.full((cfg.bn,), MASK, jnp.float32),) + (jnp.zeros((cfg.bn,), jnp.float32),) * 2
+  m, l, t = lax.fori_loop(0, w_ref.shape[1] // cfg.bv, tile, init)
+  lse = m + jnp.log(l)
+  has, inv = _bag_scale(label_refs, rows)
+  loss_ref[...] = has * lse - inv * t  # an all-ignored row: exactly 0
+  lse_ref[...] = lse
 
 
 def _dhidden_kernel(h_ref, w_ref, lse_ref, gl_ref, gz_ref, *refs, cfg):
-    *label_refs, dh_ref = refs  # dh_ref: this program's [bn, d] fp32 block
-    rows = pl.ds(pl.multiple_of(pl.program_id(0) * cfg.bn, cfg.bn), cfg.bn)
-    dh_ref[...] = jnp.zeros_like(dh_ref)
+  *label_refs, dh_ref = refs  # dh_ref: this program's [bn, d] fp32 block
+  rows = pl.ds(pl.multiple_of(pl.program_id(0) * cfg.bn, cfg.bn), cfg.bn)
+  n_d = h_ref.shape[1] // cfg.bd
 
-    def tile(j, _):
-        col0 = pl.multiple_of(j * cfg.bv, cfg.bv)
-        dz = _tile_dlogits(h_ref, w_ref, lse_ref, gl_ref, gz_ref, label_refs, rows, col0, cfg)
-        dz = dz.astype(w_ref.dtype)
+  def zero(k, _):
+    dh_ref[:, _d_slice(k, cfg)] = jnp.zeros((cfg.bn, cfg.bd), jnp.float32)
 
-        def acc(k, _):
-            ks = pl.ds(pl.multiple_of(k * cfg.bd, cfg.bd), cfg.bd)
-            dh_ref[:, ks] += matmul(dz, w_ref[ks, pl.ds(col0, cfg.bv)], (1, 1))
+  def tile(j, _):
+    col0 = pl.multiple_of(j * cfg.bv, cfg.bv)
+    dz = _tile_dlogits(h_ref, w_ref, lse_ref, gl_ref, gz_ref, label_refs, rows, col0, cfg)
+    dz = dz.astype(w_ref.dtype)
 
-        lax.fori_loop(0, h_ref.shape[1] // cfg.bd, acc, None)
+    def acc(k, _):
+      ks = _d_slice(k, cfg)
+      dh_ref[:, ks] += matmul(dz, w_ref[ks, pl.ds(col0, cfg.bv)], (1, 1))
 
-    lax.fori_loop(0, w_ref.shape[1] // cfg.bv, tile, None)
+    lax.fori_loop(0, n_d, acc, None)
+
+  lax.fori_loop(0, n_d, zero, None)
+  lax.fori_loop(0, w_ref.shape[1] // cfg.bv, tile, None)
 
 
 def _dweight_kernel(h_ref, w_ref, lse_ref, gl_ref, gz_ref, *refs, cfg):
-    *label_refs, dw_ref = refs  # dw_ref: this program's [d, bv] fp32 block
-    col0 = pl.multiple_of(pl.program_id(0) * cfg.bv, cfg.bv)
-    dw_ref[...] = jnp.zeros_like(dw_ref)
+  *label_refs, dw_ref = refs  # dw_ref: this program's [d, bv] fp32 block
+  col0 = pl.multiple_of(pl.program_id(0) * cfg.bv, cfg.bv)
+  n_d = h_ref.shape[1] // cfg.bd
 
-    def block(i, _):
-        rows = pl.ds(pl.multiple_of(i * cfg.bn, cfg.bn), cfg.bn)
-        dz = _tile_dlogits(h_ref, w_ref, lse_ref, gl_ref, gz_ref, label_refs, rows, col0, cfg)
-        dz = dz.astype(h_ref.dtype)
+  def zero(k, _):
+    dw_ref[_d_slice(k, cfg), :] = jnp.zeros((cfg.bd, cfg.bv), jnp.float32)
 
-        def acc(k, _):
-            ks = pl.ds(pl.multiple_of(k * cfg.bd, cfg.bd), cfg.bd)
-            dw_ref[ks, :] += matmul(h_ref[rows, ks], dz, (0, 0))
+  def block(i, _):
+    rows = pl.ds(pl.multiple_of(i * cfg.bn, cfg.bn), cfg.bn)
+    dz = _tile_dlogits(h_ref, w_ref, lse_ref, gl_ref, gz_ref, label_refs, rows, col0, cfg)
+    dz = dz.astype(h_ref.dtype)
 
-        lax.fori_loop(0, h_ref.shape[1] // cfg.bd, acc, None)
+    def acc(k, _):
+      ks = _d_slice(k, cfg)
+      dw_ref[ks, :] += matmul(h_ref[rows, ks], dz, (0, 0))
 
-    lax.fori_loop(0, h_ref.shape[0] // cfg.bn, block, None)
+    lax.fori_loop(0, n_d, acc, None)
+
+  lax.fori_loop(0, n_d, zero, None)
+  lax.fori_loop(0, h_ref.shape[0] // cfg.bn, block, None)
 
 
 # ------------------------------------------------------------- calls and the VJP
 def _whole(x):
-    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+  return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
 def _call(kernel, cfg, grid, out_spec, out_shape, *args):
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg),
-        grid=grid,
-        in_specs=[_whole(a) for a in args],
-        out_specs=out_spec,
-        out_shape=out_shape,
-        interpret=cfg.interpret,
-        compiler_params=compiler_params(cfg.interpret),
-    )(*args)
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg),
+      grid=grid,
+      in_specs=[_whole(a) for a in args],
+      out_specs=out_spec,
+      out_shape=out_shape,
+      interpret=cfg.interpret,
+      compiler_params=compiler_params(cfg.interpret),
+  )(*args)
 
 
 def _label_columns(labels):
-    # One 1-D ref per bag slot: the kernel reads a [bn] vector per slot, which needs no
-    # power-of-two s and no slicing of a loaded tile.
-    return [labels[:, k] for k in range(labels.shape[1])]
+  # One 1-D ref per bag slot: the kernel reads a [bn] vector per slot, which needs no
+  # power-of-two s and no slicing of a loaded tile.
+  return [labels[:, k] for k in range(labels.shape[1])]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _ce(h, w, labels, cfg):
-    return _ce_fwd(h, w, labels, cfg)[0]
+  return _ce_fwd(h, w, labels, cfg)[0]
 
 
 def _ce_fwd(h, w, labels, cfg):
-    n = h.shape[0]
-    vec = jax.ShapeDtypeStruct((n,), jnp.float32)
-    spec = pl.BlockSpec((cfg.bn,), lambda i: (i,))
-    loss, lse = _call(
-        _fwd_kernel, cfg, (n // cfg.bn,), [spec, spec], [vec, vec], h, w, *_label_columns(labels)
-    )
-    return (loss, lse), (h, w, labels, lse)
+  n = h.shape[0]
+  vec = jax.ShapeDtypeStruct((n,), jnp.float32)
+  spec = pl.BlockSpec((cfg.bn,), lambda i: (i,))
+  loss, lse = _call(
+      _fwd_kernel, cfg, (n // cfg.bn,), [spec, spec], [vec, vec], h, w, *_label_columns(labels)
+  )
+  return (loss, lse), (h, w, labels, lse)
 
 
 def _ce_bwd(cfg, res, cts):
-    h, w, labels, lse = res
-    g_loss, g_lse = cts
-    (n, d), v = h.shape, w.shape[1]
-    args = (h, w, lse, g_loss, g_lse, *_label_columns(labels))
-    dh = _call(
-        _dhidden_kernel, cfg, (n // cfg.bn,), pl.BlockSpec((cfg.bn, d), lambda i: (i, 0)),
-        jax.ShapeDtypeStruct((n, d), jnp.float32), *args,
-    )
-    dw = _call(
-        _dweight_kernel, cfg, (v // cfg.bv,), pl.BlockSpec((d, cfg.bv), lambda j: (0, j)),
-        jax.ShapeDtypeStruct((d, v), jnp.float32), *args,
-    )
-    return dh.astype(h.dtype), dw.astype(w.dtype), None
+  h, w, labels, lse = res
+  g_loss, g_lse = cts
+  (n, d), v = h.shape, w.shape[1]
+  args = (h, w, lse, g_loss, g_lse, *_label_columns(labels))
+  dh = _call(
+      _dhidden_kernel, cfg, (n // cfg.bn,), pl.BlockSpec((cfg.bn, d), lambda i: (i, 0)),
+      jax.ShapeDtypeStruct((n, d), jnp.float32), *args,
+  )
+  dw = _call(
+      _dweight_kernel, cfg, (v // cfg.bv,), pl.BlockSpec((d, cfg.bv), lambda j: (0, j)),
+      jax.ShapeDtypeStruct((d, v), jnp.float32), *args,
+  )
+  return dh.astype(h.dtype), dw.astype(w.dtype), None
 
 
 _ce.defvjp(_ce_fwd, _ce_bwd)
@@ -212,15 +226,15 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 
 def pallas_cross_entropy(hidden, weight, labels, cap, interpret, *,
                          block_n=BLOCK_N, block_v=BLOCK_V, block_d=BLOCK_D):
-    """(loss [n], lse [n]) of the Pallas kernels; pads every axis to whole tiles."""
-    (n, d), vocab = hidden.shape, weight.shape[1]
-    # Shrink a tile to the (power-of-two) problem size when the problem is smaller.
-    bn, bv, bd = (min(b, max(16, next_pow2(x))) for b, x in
-                  ((block_n, n), (block_v, vocab), (block_d, d)))
-    n_pad, v_pad, d_pad = round_up(n, bn), round_up(vocab, bv), round_up(d, bd)
-    h = pad_to(hidden, (n_pad, d_pad))
-    w = pad_to(weight, (d_pad, v_pad))
-    labels = pad_to(labels, (n_pad, labels.shape[1]), value=-1)
-    cfg = _Cfg(vocab, cap, bn, bv, bd, bool(interpret))
-    loss, lse = _ce(h, w, labels, cfg)
-    return loss[:n], lse[:n]
+  """(loss [n], lse [n]) of the Pallas kernels; pads every axis to whole tiles."""
+  (n, d), vocab = hidden.shape, weight.shape[1]
+  # Shrink a tile to the (power-of-two) problem size when the problem is smaller.
+  bn, bv, bd = (min(b, max(16, next_pow2(x))) for b, x in
+                ((block_n, n), (block_v, vocab), (block_d, d)))
+  n_pad, v_pad, d_pad = round_up(n, bn), round_up(vocab, bv), round_up(d, bd)
+  h = pad_to(hidden, (n_pad, d_pad))
+  w = pad_to(weight, (d_pad, v_pad))
+  labels = pad_to(labels, (n_pad, labels.shape[1]), value=-1)
+  cfg = _Cfg(vocab, cap, bn, bv, bd, bool(interpret))
+  loss, lse = _ce(h, w, labels, cfg)
+  return loss[:n], lse[:n]
