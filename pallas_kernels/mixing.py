@@ -1,4 +1,4 @@
-"""Codebook mixture of the NCP head: chat^s = sum_n pi^s_n e^s_n (NCP Eq. 9-10).
+"""Codebook mixture of the NCP head: chat^s = sum_n pi^s_n e^s_n (NCP Eq. 7-10).
 
 mode="softmax": pi^s = softmax_n(logits^s), the paper's convex mixture.
 mode="raw":     pi^s = logits^s unnormalised, the released code's default `raw_logits`.
@@ -152,7 +152,7 @@ def mix_pallas(logits, codebook, mode, interpret, *, block_m=BLOCK_M):
 @functools.partial(jax.jit, static_argnames=("mode", "impl"))
 def codebook_mix(logits: jax.Array, codebook: jax.Array, *, mode: str = "softmax",
                  impl: str = "auto") -> jax.Array:
-  """NCP Eq. 9-10: chat^s = sum_n pi^s_n e^s_n, pi = softmax(logits) ("softmax") or logits ("raw").
+  """NCP Eq. 7-10: chat^s = sum_n pi^s_n e^s_n, pi = softmax(logits) ("softmax") or logits ("raw").
 
   logits [..., S, N], codebook [S, N, d/S] -> [..., S, d/S] in the promoted input dtype.
   """

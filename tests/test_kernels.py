@@ -1,6 +1,6 @@
 """pallas_kernels against independent NumPy re-derivations (float64), every impl.
 
-The NumPy side re-derives the math from REFERENCE.md section 4 and NCP Eq. 9-10 by hand
+The NumPy side re-derives the math from REFERENCE.md section 4 and NCP Eq. 7-10 by hand
 (log-sum-exp, bag weights, softmax mixture and their gradients); it never calls the code
 under test, and its gradients are themselves checked by finite differences.
 
