@@ -5,18 +5,16 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY_OVERRIDES
-from latent_jax import load_config, objectives
-from latent_jax.train import step as steps
+from latent_jax import build_model, load_config, objectives
 
 
 def loss_and_grads(cfg, impl, batch):
   cfg.kernels.impl = impl
-  graphdef, _ = steps.abstract_model(cfg.model)
-  params = nnx.to_pure_dict(nnx.state(nnx.merge(*nnx.split(
-      __import__("latent_jax").build_model(cfg.model, nnx.Rngs(0))))))
+  graphdef, state = nnx.split(build_model(cfg.model, nnx.Rngs(0)))
+  params = nnx.to_pure_dict(state)
   objective = objectives.objective_for(cfg)
   fn = jax.jit(jax.value_and_grad(lambda p: objective(nnx.merge(graphdef, p), batch, cfg), has_aux=True))
-  (total, metrics), grads = fn(params)
+  (total, _), grads = fn(params)
   return float(total), grads
 
 

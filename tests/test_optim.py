@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from optax.contrib import MuonDimensionNumbers
 
 from latent_jax.ops import transformer as T
 from latent_jax.train import flops

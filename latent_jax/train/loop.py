@@ -11,7 +11,6 @@ import jax
 import numpy as np
 import tqdm
 
-from latent_jax import objectives
 from latent_jax.config import validate
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
 from latent_jax.train import checkpoint, flops, phases, sharding
