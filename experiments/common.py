@@ -1,8 +1,11 @@
 """Shared by the experiment scripts: run a config for several seeds, tabulate, plot.
 
 Each run trains in its own workdir under ROOT/NAME/seedS (so an interrupted experiment
-resumes where it stopped), then its metrics.jsonl is read back.
+resumes where it stopped), then its metrics.jsonl is read back. A finished run is not run
+again, so experiments that share a run (the tiny baseline, say) train it once; a lock on the
+workdir lets two experiment scripts run side by side.
 """
+import fcntl
 import json
 import os
 import statistics
@@ -13,6 +16,8 @@ from latent_jax.train.metrics import read_metrics
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# Every experiment evaluates every 50 steps, so that curves can be compared between evals.
+EXPERIMENT_OVERRIDES = ["train.eval_every=50"]
 
 
 def run_seeds(name, config, overrides, seeds, root):
@@ -20,10 +25,37 @@ def run_seeds(name, config, overrides, seeds, root):
   out = {}
   for seed in seeds:
     workdir = os.path.join(root, name, f"seed{seed}")
-    cfg = load_config(os.path.join(CONFIGS, config), [*overrides, f"train.seed={seed}"])
-    train(cfg, workdir)
+    cfg = load_config(os.path.join(CONFIGS, config), [*EXPERIMENT_OVERRIDES, *overrides, f"train.seed={seed}"])
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, ".lock"), "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # another script may be training this very run
+      train(cfg, workdir)
     out[seed] = read_metrics(workdir)
   return out
+
+
+def wall_seconds(rows):
+  """Training wall time at each logged row (evaluation excluded, compilation included)."""
+  total, tokens, out = 0.0, 0, []
+  for r in rows:
+    total += (r["tokens"] - tokens) / r["tokens_per_s"]
+    tokens = r["tokens"]
+    out.append(total)
+  return out
+
+
+def cost_to_reach(rows, target, key="val_loss"):
+  """(FLOPs, wall seconds) at which `key` first falls to `target`, interpolated between evals; None if never."""
+  walls = wall_seconds(rows)
+  points = [(r["flops"], w, r[key]) for r, w in zip(rows, walls) if key in r]
+  previous = (0.0, 0.0, float("inf"))
+  for flops, wall, value in points:
+    if value <= target:
+      f0, w0, v0 = previous
+      a = 1.0 if v0 == float("inf") else (v0 - target) / (v0 - value)
+      return f0 + a * (flops - f0), w0 + a * (wall - w0)
+    previous = (flops, wall, value)
+  return None
 
 
 def final(rows, key="val_loss"):
@@ -40,12 +72,20 @@ def summarise(runs, key="val_loss"):
   return table
 
 
-def write_results(stem, table, runs, header, key="val_loss"):
-  """Markdown table + JSON + a plot of `key` against tokens, in experiments/results/."""
+def write_results(stem, table, runs, header, key="val_loss", x="tokens", columns=None, footer=""):
+  """Markdown table + JSON + a plot of `key` against `x` (tokens or flops), in experiments/results/.
+
+  `columns` {title: {run name: text}} adds columns to the table; `footer` is markdown after it.
+  """
   os.makedirs(RESULTS, exist_ok=True)
-  lines = [header, "", f"| run | final {key} per seed | mean | std |", "|---|---|---|---|"]
+  columns = columns or {}
+  lines = [header, "", f"| run | final {key} per seed | mean | std |{''.join(f' {c} |' for c in columns)}",
+           "|---|---|---|---|" + "---|" * len(columns)]
   for name, (values, mean, spread) in table.items():
-    lines.append(f"| {name} | {', '.join(f'{v:.4f}' for v in values)} | {mean:.4f} | {spread:.4f} |")
+    extra = "".join(f" {col.get(name, '')} |" for col in columns.values())
+    lines.append(f"| {name} | {', '.join(f'{v:.4f}' for v in values)} | {mean:.4f} | {spread:.4f} |{extra}")
+  if footer:
+    lines += ["", footer]
   with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
   with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
@@ -60,10 +100,11 @@ def write_results(stem, table, runs, header, key="val_loss"):
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, (name, by_seed) in enumerate(runs.items()):
     for j, rows in enumerate(by_seed.values()):
-      pts = [(r["tokens"], r[key]) for r in rows if key in r]
-      ax.plot(*zip(*pts), color=f"C{i}", alpha=0.8, label=name if j == 0 else None)
-  ax.set_xlabel("training tokens")
+      pts = [(r[x], r[key]) for r in rows if key in r]
+      ax.plot(*zip(*pts), color=f"C{i % 10}", linestyle="-" if i < 10 else "--", alpha=0.8,
+              label=name if j == 0 else None)
+  ax.set_xlabel({"tokens": "training tokens", "flops": "training FLOPs"}[x])
   ax.set_ylabel(key)
-  ax.legend()
+  ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(RESULTS, f"{stem}.png"), dpi=120)

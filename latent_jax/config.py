@@ -5,6 +5,7 @@ and what to do about it.
 """
 import ast
 import importlib.util
+import inspect
 import os
 import sys
 
@@ -19,7 +20,14 @@ class ConfigError(ValueError):
 
 
 def load_config(path, overrides=()):
-  """Load `get_config()` from the file at `path`, apply `a.b=v` overrides, validate."""
+  """Load `get_config()` from the file at `path`, apply `a.b=v` overrides, validate.
+
+  `path` may end in `:ARG` (as in configs/ncp_ladder.py:vanilla): the file's `get_config(ARG)`
+  then picks a variant.
+  """
+  arg = None
+  if not os.path.isfile(path) and ":" in path:
+    path, arg = path.rsplit(":", 1)
   if not os.path.isfile(path):
     raise ConfigError(f"--config {path!r}: no such file; pass a config file such as configs/tiny.py.")
   spec = importlib.util.spec_from_file_location(f"latent_jax_config_{abs(hash(path))}", path)
@@ -32,7 +40,9 @@ def load_config(path, overrides=()):
     sys.path.pop(0)
   if not hasattr(module, "get_config"):
     raise ConfigError(f"--config {path!r} defines no get_config(); it must return an ml_collections.ConfigDict.")
-  cfg = module.get_config()
+  if arg is not None and not inspect.signature(module.get_config).parameters:
+    raise ConfigError(f"--config {path}:{arg}: this config takes no argument; drop ':{arg}'.")
+  cfg = module.get_config() if arg is None else module.get_config(arg)
   for item in overrides:
     apply_override(cfg, item)
   validate(cfg)

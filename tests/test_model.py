@@ -1,11 +1,15 @@
 """Baseline model: causality, document masking, KV-cache decoding, remat and dtype options."""
+import math
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from latent_jax import ConfigError, build_model
+from conftest import ROOT
+from latent_jax import ConfigError, build_model, load_config
 from latent_jax.config import validate
 
 
@@ -113,3 +117,27 @@ def test_config_validation_names_the_field(tiny_cfg, field, value, words):
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")) as e:
     validate(tiny_cfg)
   assert words in str(e.value)
+
+
+def test_ncp_ladder_rungs_are_the_papers_comparisons():
+  """configs/ncp_ladder.py:RUNG: baselines of E+D, E+D+C/k (rounded up) and E+C+D layers; concept
+  rungs that add the module, then the residuals, then the losses."""
+  ladder = os.path.join(ROOT, "configs", "ncp_ladder.py")
+  rung = {r: load_config(f"{ladder}:{r}") for r in
+          ("vanilla", "compute_aligned", "size_aligned", "cm", "residual", "ncp", "no_residual", "irc_only")}
+  full = load_config(os.path.join(ROOT, "configs", "tiny_ncp.py"))
+  e, c, d, k = (full.model[f] for f in ("encoder_layers", "concept_layers", "decoder_layers", "chunk_size"))
+  assert [rung[r].model.num_layers for r in ("vanilla", "compute_aligned", "size_aligned")] == \
+      [e + d, math.ceil(e + d + c / k), e + c + d]
+  assert rung["ncp"].to_dict() == full.to_dict()
+  routes = ("crc_encoder_concept", "crc_encoder_decoder", "crc_concept_decoder")
+  assert not rung["cm"].model.irc and not any(rung["cm"].model[r] for r in routes)
+  assert rung["residual"].model.irc and all(rung["residual"].model[r] for r in routes)
+  for r in ("cm", "residual"):
+    assert rung[r].ncp.alpha == rung[r].ncp.beta == 0.0
+  assert (rung["no_residual"].ncp.alpha, rung["irc_only"].ncp.alpha) == (full.ncp.alpha, full.ncp.alpha)
+  assert rung["irc_only"].model.irc and not any(rung["irc_only"].model[r] for r in routes)
+  with pytest.raises(ConfigError, match="unknown rung; pick one of"):
+    load_config(f"{ladder}:bigger")
+  with pytest.raises(ConfigError, match="takes no argument"):
+    load_config(os.path.join(ROOT, "configs", "tiny.py") + ":ncp")
