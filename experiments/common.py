@@ -16,8 +16,16 @@ from latent_jax.train.metrics import read_metrics
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-# Every experiment evaluates every 50 steps, so that curves can be compared between evals.
-EXPERIMENT_OVERRIDES = ["train.eval_every=50"]
+# The budget of every method comparison: half of configs/tiny.py's 600 steps (about half an
+# epoch of KJV), so that the three comparisons fit a few hours of a 2-core machine; evaluated
+# every 25 steps, so that curves can be compared between evaluations.
+COMPARISON = ["train.steps=300", "optim.warmup_steps=25", "train.eval_every=25"]
+
+
+def budget(smoke_steps=0):
+  """The comparison budget, or with `smoke_steps` a few-step run that only checks the script works."""
+  smoke = [f"train.steps={smoke_steps}", "optim.warmup_steps=1", "train.eval_every=2"] if smoke_steps else []
+  return [*COMPARISON, *smoke]
 
 
 def run_seeds(name, config, overrides, seeds, root):
@@ -25,7 +33,7 @@ def run_seeds(name, config, overrides, seeds, root):
   out = {}
   for seed in seeds:
     workdir = os.path.join(root, name, f"seed{seed}")
-    cfg = load_config(os.path.join(CONFIGS, config), [*EXPERIMENT_OVERRIDES, *overrides, f"train.seed={seed}"])
+    cfg = load_config(os.path.join(CONFIGS, config), [*overrides, f"train.seed={seed}"])
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, ".lock"), "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # another script may be training this very run

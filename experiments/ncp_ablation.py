@@ -4,7 +4,8 @@
 
 Runs the rungs of configs/ncp_ladder.py (default: vanilla, compute-aligned and size-aligned
 baselines, and the full NCP model; `--rungs` adds +CM, +Residual and the Table 3 residual
-variants) for each seed on the embedded corpus, every run reading the same tokens, and writes
+variants) for each seed on the embedded corpus at the comparison budget of experiments/common.py
+(300 steps of 16 x 128 tokens), every run reading the same tokens, and writes
 the final validation NTP loss, FLOPs per token and parameters to experiments/results/ncp_ablation.*.
 """
 import argparse
@@ -12,7 +13,7 @@ import argparse
 import jax
 from flax import nnx
 
-from common import CONFIGS, run_seeds, summarise, write_results
+from common import CONFIGS, budget, run_seeds, summarise, write_results
 from latent_jax import build_model, load_config
 from latent_jax.train import flops
 
@@ -38,10 +39,10 @@ def main():
   p.add_argument("--root", default="runs/experiments")
   p.add_argument("--seeds", default="0,1")
   p.add_argument("--rungs", default=DEFAULT_RUNGS)
-  p.add_argument("--steps", type=int, default=0, help="override train.steps (a smoke run; not comparable)")
+  p.add_argument("--steps", type=int, default=0, help="a smoke run of this many steps (not comparable)")
   args = p.parse_args()
   seeds = [int(s) for s in args.seeds.split(",")]
-  overrides = [f"train.steps={args.steps}", "optim.warmup_steps=1"] if args.steps else []
+  overrides = budget(args.steps)
   runs, cost = {}, {}
   for rung in args.rungs.split(","):
     name, config = SHARED.get(rung, (f"ladder_{rung}", f"ncp_ladder.py:{rung}"))
@@ -52,7 +53,7 @@ def main():
   columns = {"MFLOPs / token": {r: f"{f / 1e6:.2f} ({f / ref_flops:.3f}x)" for r, (f, _) in cost.items()},
              "params": {r: f"{n / 1e6:.3f}M" for r, (_, n) in cost.items()}}
   write_results("ncp_ablation", table, runs,
-                f"# NCP ablation ladder at tiny size (KJV, configs/ncp_ladder.py, seeds {args.seeds})",
+                f"# NCP ablation ladder at tiny size (KJV, 300 steps, configs/ncp_ladder.py, seeds {args.seeds})",
                 columns=columns, footer=PAPER)
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")

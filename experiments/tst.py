@@ -2,17 +2,18 @@
 
   python experiments/tst.py [--root runs/experiments] [--seeds 0,1] [--steps N]
 
-Every run is configs/tiny.py's 600 steps with the same FLOPs per step (tst.budget="flops"), so
-equal steps are equal FLOPs. Runs: the baseline; TST with s=4, r=0.3 (configs/tiny_tst.py); an
-s/r sweep (s in {2, 8} at r=0.3, r in {0.2, 0.4} at s=4); and the representation-alignment
-ablation (s=4, r=0.3, a fresh embedding and LM head at the switch). Reports the final
+Every run is configs/tiny.py at the comparison budget of experiments/common.py (300 steps), with
+the same FLOPs per step in both phases (tst.budget="flops"), so equal steps are equal FLOPs.
+Runs: the baseline; TST with s=4, r=0.3 (configs/tiny_tst.py); an s/r sweep (s in {2, 8} at
+r=0.3, r in {0.2, 0.4} at s=4); and the representation-alignment ablation (s=4, r=0.3, a fresh
+embedding and LM head at the switch). Reports the final
 validation NTP loss and the FLOPs and training wall time each run needs to reach the
 baseline's final loss, in experiments/results/tst.*.
 """
 import argparse
 import statistics
 
-from common import cost_to_reach, run_seeds, summarise, wall_seconds, write_results
+from common import budget, cost_to_reach, run_seeds, summarise, wall_seconds, write_results
 
 # (label, run folder, config, overrides); the baseline last: ncp_ablation.py and aux.py share it.
 RUNS = [
@@ -31,7 +32,7 @@ both: 3.000, baseline 3.275 (3B ablation).
 
 "to reach baseline": the FLOPs and training wall time (evaluation excluded, compilation included)
 at which the run's validation loss first reaches the baseline's mean final loss, interpolated
-between evaluations every 50 steps, as a fraction of the baseline's own totals (mean over seeds;
+between evaluations every 25 steps, as a fraction of the baseline's own totals (mean over seeds;
 "-" where no seed got there)."""
 
 
@@ -39,13 +40,12 @@ def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--root", default="runs/experiments")
   p.add_argument("--seeds", default="0,1")
-  p.add_argument("--steps", type=int, default=0, help="override train.steps (a smoke run; not comparable)")
+  p.add_argument("--steps", type=int, default=0, help="a smoke run of this many steps (not comparable)")
   args = p.parse_args()
   seeds = [int(s) for s in args.seeds.split(",")]
-  smoke = [f"train.steps={args.steps}", "optim.warmup_steps=1"] if args.steps else []
   runs = {}
   for label, folder, config, overrides in RUNS:
-    runs[label] = run_seeds(folder, config, [*smoke, *overrides], seeds, args.root)
+    runs[label] = run_seeds(folder, config, [*budget(args.steps), *overrides], seeds, args.root)
   runs = {"baseline": runs.pop("baseline"), **runs}
   table = summarise(runs)
   base_rows = list(runs["baseline"].values())
@@ -60,7 +60,7 @@ def main():
     if reached:
       flops_col[name] = f"{statistics.mean(f for f, _ in reached) / base_flops:.2f} ({len(reached)}/{len(by_seed)})"
       wall_col[name] = f"{statistics.mean(w for _, w in reached) / base_wall:.2f}"
-  write_results("tst", table, runs, f"# TST vs baseline at equal FLOPs (KJV, configs/tiny_tst.py, seeds {args.seeds})",
+  write_results("tst", table, runs, f"# TST vs baseline at equal FLOPs (KJV, 300 steps, configs/tiny_tst.py, seeds {args.seeds})",
                 x="flops", footer=PAPER,
                 columns={"FLOPs to reach baseline (seeds)": flops_col, "wall to reach baseline": wall_col})
   for name, (values, mean, spread) in table.items():
