@@ -16,7 +16,7 @@ def main():
   p.add_argument("--seeds", default="0,1,2")
   args = p.parse_args()
   seeds = [int(s) for s in args.seeds.split(",")]
-  runs = {"baseline (configs/tiny.py)": run_seeds("baseline", "tiny.py", [], seeds, args.root)}
+  runs = {"baseline (configs/tiny.py)": run_seeds("baseline_600", "tiny.py", [], seeds, args.root)}
   table = summarise(runs)
   write_results("baseline_seeds", table, runs,
                 "# Seed spread of the tiny baseline (KJV, 600 steps x 16 x 128 tokens)")
