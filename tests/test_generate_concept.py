@@ -77,8 +77,8 @@ def test_generate_cli_on_a_concept_run(tmp_path, corpus_dir, capsys):
   from latent_jax.generate import main
   from latent_jax.train.loop import train
   extra = ["model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=1", "model.concept_layers=1",
-           "model.decoder_layers=1", "train.steps=2", "optim.warmup_steps=1", "train.eval_every=0", "train.checkpoint_every=2",
-           f"data.source={corpus_dir}"]
+           "model.decoder_layers=1", "train.steps=2", "optim.warmup_steps=1", "train.eval_every=0",
+           "train.checkpoint_every=2", f"data.source={corpus_dir}"]
   train(load_config(TINY_NCP, TINY_OVERRIDES + extra), str(tmp_path))
   capsys.readouterr()
   main(["--workdir", str(tmp_path), "--prompt", "Kar lon", "--temperature=0", "--max_new_tokens=9",
