@@ -299,13 +299,6 @@ def test_gradient_paths():
   assert ntp == everything
 
 
-def test_generation_is_not_silently_wrong(small):
-  cfg, _, params = small
-  model = nnx.merge(abstract_state(cfg)[0], params)
-  with pytest.raises(NotImplementedError, match="concept cache"):
-    model(jnp.zeros((1, 4), jnp.int32), cache_index=0)
-
-
 # ------------------------------------------------------------------ configs, FLOPs, parameters
 @pytest.mark.parametrize("field,value,words", [
     ("model.num_segments", 6, "does not divide model.d_model"),

@@ -26,7 +26,9 @@ def sample_token(logits, key, temperature=1.0, top_k=0, top_p=1.0):
 def generate(model, prompt, max_new_tokens, key, temperature=1.0, top_k=0, top_p=1.0):
   """Continue prompt [B, P] by max_new_tokens; returns [B, P + max_new_tokens] int32.
 
-  The prompt is prefilled in one pass into the cache; each later step feeds one token.
+  The prompt is prefilled into the cache by one call (a parallel pass for the baseline, a scan
+  over its tokens for ConceptLM); each later step feeds one token. Works for any model with
+  `init_cache(batch, length)` and `model(tokens, cache=, cache_index=)`.
   """
   prompt = jnp.asarray(prompt, jnp.int32)
   batch, length = prompt.shape

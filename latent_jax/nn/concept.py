@@ -8,19 +8,20 @@
 Every module is a scanned stack of the baseline's Blocks (window pattern, QK-norm) with
 intra-module residuals (IRC) and, into the concept module and the decoder, cross-module
 residual routes (CRC). The math lives in `latent_jax.ops.concepts`; this file holds parameters.
+
+Decoding (`init_cache`, then calls with `cache`) runs a token at a time with a KV cache per
+module; the concept module advances only when a chunk of k tokens completes.
 """
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.nn.baseline import ModelOutput, default_positions
-from latent_jax.nn.layers import RMSNorm, param, stacked_blocks
+from latent_jax.nn.layers import RMSNorm, kv_cache, param, stacked_blocks
 from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
 
 CODEBOOK_INIT_STD = 0.02  # released code: codebook [S, N, d/S] ~ N(0, 0.02)
-NO_CACHE = ("ConceptLM has no incremental decoding yet (it needs a concept cache, docs/ncp.md); "
-            "call it on whole sequences.")
 
 
 def const(shape, value, axes, dtype):
@@ -59,13 +60,17 @@ class ResidualStack(nnx.Module):
     self.num_layers, self.irc, self.irc_softmax = num_layers, cfg.irc, cfg.irc_softmax
     self.remat, self.dtype = cfg.remat, jnp.dtype(cfg.dtype)
 
-  def __call__(self, x, positions, segment_ids, sources=()):
-    """x [B, T, d]; sources: one [K, B, T, d] array per route, aligned to these positions."""
+  def __call__(self, x, positions, segment_ids, sources=(), cache=None, cache_index=None):
+    """x [B, T, d]; sources: one [K, B, T, d] array per route, aligned to these positions.
+
+    With a KV cache (`init_cache`) the blocks attend to the cached keys as well; IRC and CRC
+    mix depths at one position, so they need no cache. Returns (final state, block outputs, cache).
+    """
     graphdef, state = nnx.split(self.blocks)
     w = lambda p: p[...].astype(self.dtype)
     normed = [route.norm(s.astype(self.dtype)) for route, s in zip(self.routes, sources)]  # LN(S_j), once
     layers = {"block": state, "window": T.layer_windows(*self.windows), "l": jnp.arange(self.num_layers),
-              "crc": [(w(r.w1), w(r.w2), w(r.scale)) for r in self.routes]}
+              "crc": [(w(r.w1), w(r.w2), w(r.scale)) for r in self.routes], "cache": cache}
     if self.irc:
       layers["irc"] = (w(self.irc_w1), w(self.irc_w2))
 
@@ -73,21 +78,25 @@ class ResidualStack(nnx.Module):
       x, history = carry
       for s, p in zip(normed, layer["crc"]):  # routes apply in turn: encoder, then concept
         x = C.cross_module_residual(x, s, *p)
-      out, _ = nnx.merge(graphdef, layer["block"])(x, positions, segment_ids, layer["window"])
+      out, layer_cache = nnx.merge(graphdef, layer["block"])(x, positions, segment_ids, layer["window"],
+                                                              layer["cache"], cache_index)
       if not self.irc:
-        return (out, history), out
+        return (out, history), (out, layer_cache)
       latest = layer["l"] + 1
       history = jax.lax.dynamic_update_index_in_dim(history, out, latest, 0)
       x = C.intra_module_residual(history, out - x, *layer["irc"], latest, self.irc_softmax)
-      return (x, history), out
+      return (x, history), (out, layer_cache)
 
     if self.remat:
       body = jax.checkpoint(body, prevent_cse=False)
     history = None
     if self.irc:  # slot 0 is the module input H_1, slot l+1 the output of layer l
       history = jnp.zeros((self.num_layers + 1, *x.shape), x.dtype).at[0].set(x)
-    (x, _), outs = jax.lax.scan(body, (x, history), layers)
-    return x, outs
+    (x, _), (outs, cache) = jax.lax.scan(body, (x, history), layers)
+    return x, outs, cache
+
+  def init_cache(self, cfg, batch, length, dtype):
+    return kv_cache(cfg, self.num_layers, batch, length, dtype)
 
 
 class ConceptLM(nnx.Module):
@@ -124,14 +133,20 @@ class ConceptLM(nnx.Module):
     """The LM head as a [d, vocab] matrix (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
-  def init_cache(self, *args, **kwargs):
-    raise NotImplementedError(NO_CACHE)
+  def embed_tokens(self, tokens):
+    return self.embed[...].astype(self.dtype)[tokens]
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, impl="auto", cache=None,
                cache_index=None):
-    """tokens [B, T] int32 -> ModelOutput; `impl` picks the codebook-mixing kernel."""
-    if cache is not None or cache_index is not None:
-      raise NotImplementedError(NO_CACHE)
+    """tokens [B, T] int32 -> ModelOutput; `impl` picks the codebook-mixing kernel.
+
+    With a `cache` (`init_cache`), tokens continue one document from position `cache_index`
+    (segment_ids and positions are implied) and the output carries the updated cache.
+    """
+    if cache is not None:
+      if segment_ids is not None or positions is not None:
+        raise ValueError("ConceptLM decodes one document: with a cache, pass no segment_ids or positions.")
+      return self.extend(tokens, cache, cache_index, logits, impl)
     cfg, k = self.cfg, self.cfg.chunk_size
     b, t = tokens.shape
     if segment_ids is None:
@@ -144,28 +159,111 @@ class ConceptLM(nnx.Module):
     concept_seg = C.chunk_segments(segment_ids, k) if cfg.document_mask else jnp.zeros((b, t // k), jnp.int32)
     token_pos = positions if cfg.document_mask else default_positions(tokens)
 
-    h, enc_states = self.encoder(self.embed[...].astype(self.dtype)[tokens], positions, segment_ids)
+    h, enc_states, _ = self.encoder(self.embed_tokens(tokens), positions, segment_ids)
     c = C.pool_concepts(h, k, docs)                                        # [B, M, d]
     if cfg.concept_norm:
       c = self.concept_norm(c)
-    u, con_states = self.concept(c, C.concept_positions(token_pos, k, cfg.concept_positions), concept_seg,
-                                 [C.pool_concepts(enc_states, k, docs)] if cfg.crc_encoder_concept else [])
-    code_logits = self.head_norm(u) @ self.heads[...].astype(self.dtype)
-    code_logits = code_logits.reshape(*u.shape[:2], cfg.num_segments, cfg.codebook_size)
-    predicted = C.mix_codebook(code_logits, self.codebook[...], cfg.mixing, impl).astype(self.dtype)
+    code_logits, predicted, con_states, _ = self.predict(
+        c, C.concept_positions(token_pos, k, cfg.concept_positions), concept_seg,
+        [C.pool_concepts(enc_states, k, docs)] if cfg.crc_encoder_concept else [], impl)
     codes, quantized = C.pq_assign(c, self.codebook[...])
 
     valid = C.same_document(segment_ids, k) if cfg.document_mask else None
-    fuse = {}
-    if cfg.fusion == "norm_add":
-      fuse = dict(h_scale=self.fuse_h_norm.scale[...], c_scale=self.fuse_c_norm.scale[...],
-                  a=self.fuse_scale[...], eps=cfg.norm_eps)
-    x = C.inject_concepts(h, predicted, k, fusion=cfg.fusion, valid=valid, **fuse)
-    sources = {"encoder": enc_states, "concept": C.align_to_tokens(con_states, t, k, valid)}
-    x, _ = self.decoder(x, positions, segment_ids, [sources[r] for r in self.decoder_routes])
-
-    hidden = self.final_norm(x)
-    out_logits = hidden @ self.head_weight().astype(self.dtype) if logits else None
+    x = C.inject_concepts(h, predicted, k, valid=valid, **self.fusion())
+    hidden, out_logits, _ = self.run_decoder(x, enc_states, C.align_to_tokens(con_states, t, k, valid),
+                                             positions, segment_ids, logits)
     aux = {"concepts": c, "predicted": predicted, "quantized": quantized, "codes": codes,
            "code_logits": code_logits, "ncp_mask": concept_seg[:, :-1] == concept_seg[:, 1:]}
     return ModelOutput(hidden=hidden, logits=out_logits, aux=aux)
+
+  def predict(self, c, positions, segment_ids, sources, impl, cache=None, cache_index=None):
+    """Concept module and heads (Eq. 7-10): concepts c [B, M, d] -> (code logits [B, M, S, N],
+    predictions p [B, M, d], the module's layer states [C, B, M, d], its updated cache)."""
+    u, states, cache = self.concept(c, positions, segment_ids, sources, cache, cache_index)
+    code_logits = self.head_norm(u) @ self.heads[...].astype(self.dtype)
+    code_logits = code_logits.reshape(*u.shape[:2], self.cfg.num_segments, self.cfg.codebook_size)
+    predicted = C.mix_codebook(code_logits, self.codebook[...], self.cfg.mixing, impl).astype(self.dtype)
+    return code_logits, predicted, states, cache
+
+  def fusion(self):
+    """Keyword arguments of the Eq. 12 fusion (`C.fuse_concepts`)."""
+    if self.cfg.fusion == "add":
+      return {"fusion": "add"}
+    return dict(fusion="norm_add", h_scale=self.fuse_h_norm.scale[...], c_scale=self.fuse_c_norm.scale[...],
+                a=self.fuse_scale[...], eps=self.cfg.norm_eps)
+
+  def run_decoder(self, x, enc_states, con_states, positions, segment_ids, logits, cache=None, cache_index=None):
+    """Token decoder on x = htilde [B, T, d], with the CRC sources aligned to the tokens, then the
+    final norm and LM head -> (hidden, logits or None, the decoder's updated cache)."""
+    sources = {"encoder": enc_states, "concept": con_states}
+    x, _, cache = self.decoder(x, positions, segment_ids, [sources[r] for r in self.decoder_routes], cache,
+                               cache_index)
+    hidden = self.final_norm(x)
+    return hidden, hidden @ self.head_weight().astype(self.dtype) if logits else None, cache
+
+  # ---------------------------------------------------------------- incremental decoding
+  def init_cache(self, batch, length, dtype=None):
+    """Decoding state for `length` tokens of one document.
+
+    KV caches of the encoder and decoder (one slot per token) and of the concept module (one
+    slot per chunk); the encoder outputs and layer states of the current chunk, pooled when it
+    completes; and the newest prediction p_j with the concept module's layer states, which
+    every token receives (Eq. 11, and the Concept->Decoder route) until the next chunk
+    completes. They start at zero: no concept before the first complete chunk.
+    """
+    cfg, k, d = self.cfg, self.cfg.chunk_size, self.cfg.d_model
+    kv = dtype or self.dtype
+    zeros = lambda *shape: jnp.zeros(shape, self.dtype)
+    return {"encoder": self.encoder.init_cache(cfg, batch, length, kv),
+            "concept": self.concept.init_cache(cfg, batch, max(length // k, 1), kv),
+            "decoder": self.decoder.init_cache(cfg, batch, length, kv),
+            "chunk": zeros(batch, k, d), "chunk_states": zeros(cfg.encoder_layers, batch, k, d),
+            "predicted": zeros(batch, 1, d), "concept_states": zeros(cfg.concept_layers, batch, 1, d)}
+
+  def extend(self, tokens, cache, cache_index, logits=True, impl="auto"):
+    """Continue one document by tokens [B, L] from position `cache_index`, a token at a time
+    (a prompt too: concepts advance only at chunk ends) -> ModelOutput with the new cache."""
+    def step(cache, inputs):
+      hidden, out_logits, cache = self.step(inputs[0][:, None], inputs[1], cache, logits, impl)
+      return cache, (hidden[:, 0], None if out_logits is None else out_logits[:, 0])
+
+    indices = cache_index + jnp.arange(tokens.shape[1])
+    cache, (hidden, out_logits) = jax.lax.scan(step, cache, (tokens.T, indices))
+    swap = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
+    return ModelOutput(hidden=swap(hidden), logits=swap(out_logits), cache=cache)
+
+  def step(self, token, index, cache, logits=True, impl="auto"):
+    """One token [B, 1] at position `index` (may be traced) -> (hidden, logits, cache).
+
+    The encoder runs on the token; when it completes chunk j = index // k, the chunk is pooled
+    and the concept module runs one position to give p_j. That comes before the decoder: under
+    Eq. 11 the token completing chunk j already receives p_j.
+    """
+    cfg, k = self.cfg, self.cfg.chunk_size
+    b = token.shape[0]
+    positions, segment_ids = jnp.full((b, 1), index, jnp.int32), jnp.zeros((b, 1), jnp.int32)
+    h, enc_states, enc_cache = self.encoder(self.embed_tokens(token), positions, segment_ids,
+                                            (), cache["encoder"], index)
+    chunk = jax.lax.dynamic_update_slice_in_dim(cache["chunk"], h, index % k, axis=1)
+    chunk_states = jax.lax.dynamic_update_slice_in_dim(cache["chunk_states"], enc_states, index % k, axis=2)
+
+    def advance():  # the same pooling and positions as the full forward, on one chunk
+      docs = jnp.zeros((b, k), jnp.int32) if cfg.document_mask else None
+      c = C.pool_concepts(chunk, k, docs)
+      if cfg.concept_norm:
+        c = self.concept_norm(c)
+      chunk_pos = index + 1 - k + jnp.broadcast_to(jnp.arange(k), (b, k))
+      _, predicted, states, concept_cache = self.predict(
+          c, C.concept_positions(chunk_pos, k, cfg.concept_positions), segment_ids,
+          [C.pool_concepts(chunk_states, k, docs)] if cfg.crc_encoder_concept else [], impl,
+          cache["concept"], index // k)
+      return predicted, states, concept_cache
+
+    keep = lambda: (cache["predicted"], cache["concept_states"], cache["concept"])
+    predicted, con_states, concept_cache = jax.lax.cond((index + 1) % k == 0, advance, keep)
+    x = C.fuse_concepts(h, predicted, **self.fusion())
+    hidden, out_logits, dec_cache = self.run_decoder(x, enc_states, con_states, positions, segment_ids, logits,
+                                                     cache["decoder"], index)
+    cache = {"encoder": enc_cache, "concept": concept_cache, "decoder": dec_cache, "chunk": chunk,
+             "chunk_states": chunk_states, "predicted": predicted, "concept_states": con_states}
+    return hidden, out_logits, cache

@@ -10,6 +10,8 @@ from flax import nnx
 
 from latent_jax.ops import transformer as T
 
+EMPTY_SLOT = 2**30  # the position of a cache slot not written yet
+
 
 def param(rngs, shape, axes, std, dtype):
   return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std, axes=axes)
@@ -60,12 +62,12 @@ class Attention(nnx.Module):
     q, key = T.rope(q, positions, self.rope_base), T.rope(key, positions, self.rope_base)
     if cache is None:
       mask = T.attention_mask(positions, positions, segment_ids, segment_ids, window)
-    else:  # decoding: slot i of the cache holds absolute position i of one document
+    else:  # decoding one document: write slots cache_index.., each with the position of its key
       key = jax.lax.dynamic_update_slice(cache["k"], key.astype(cache["k"].dtype), (0, cache_index, 0, 0))
       val = jax.lax.dynamic_update_slice(cache["v"], val.astype(cache["v"].dtype), (0, cache_index, 0, 0))
-      cache = {"k": key, "v": val}
-      slots = jnp.broadcast_to(jnp.arange(key.shape[1]), (b, key.shape[1]))
-      mask = T.attention_mask(positions, slots, segment_ids, jnp.zeros_like(slots) + segment_ids[:, :1], window)
+      pos = jax.lax.dynamic_update_slice(cache["pos"], positions.astype(jnp.int32), (0, cache_index))
+      cache = {"k": key, "v": val, "pos": pos}
+      mask = T.attention_mask(positions, pos, segment_ids, jnp.zeros_like(pos) + segment_ids[:, :1], window)
     out = T.attention(q, key.astype(self.dtype), val.astype(self.dtype), mask)
     return out.reshape(b, t, h * hd) @ w(self.o), cache
 
@@ -139,5 +141,13 @@ class BlockStack(nnx.Module):
     return x, cache
 
   def init_cache(self, cfg, batch, length, dtype):
-    shape = (self.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    return kv_cache(cfg, self.num_layers, batch, length, dtype)
+
+
+def kv_cache(cfg, num_layers, batch, length, dtype):
+  """An empty KV cache of `length` slots per layer. `pos` holds the position of each slot's key,
+  so slots need not be token positions (ConceptLM's concept m may sit at m*k); empty slots hold
+  EMPTY_SLOT, a position after every query, so the causal mask hides them."""
+  shape = (num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype),
+          "pos": jnp.full((num_layers, batch, length), EMPTY_SLOT, jnp.int32)}

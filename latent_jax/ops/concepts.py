@@ -122,6 +122,12 @@ def inject_concepts(h, predicted, k, *, fusion="add", valid=None, h_scale=None, 
   scales h_scale, c_scale (the backbone's norm); a is the released code's scalar gate.
   """
   b = align_to_tokens(predicted.astype(h.dtype), h.shape[-2], k, valid)
+  return fuse_concepts(h, b, fusion=fusion, h_scale=h_scale, c_scale=c_scale, a=a, eps=eps)
+
+
+def fuse_concepts(h, b, *, fusion="add", h_scale=None, c_scale=None, a=None, eps=1e-6):
+  """Eq. 12 on concepts already aligned to the tokens: h, b [B, T, d]. A zero b (no concept yet)
+  leaves h under 'add' and gives LN(h) under 'norm_add', as RMSNorm maps zero to zero."""
   if fusion == "add":
     return h + b
   return T.rms_norm(h, h_scale, eps) + a.astype(h.dtype) * T.rms_norm(b, c_scale, eps)
