@@ -221,6 +221,26 @@ def test_cross_entropy_tpu_kernels_several_vocab_tiles():
     _close(a, b, 1e-5)
 
 
+def test_cross_entropy_tpu_kernels_bf16():
+  """bf16 blocks (16-row tiles) and dz rounded to bf16 before the gradient dots, as on GPU."""
+  from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
+
+  rng = np.random.default_rng(1)
+  n, d, vocab, s = 21, 48, 200, 2
+  h = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(d, vocab)) * 0.3, jnp.bfloat16)
+  labels = _labels(rng, n, s, vocab)
+  g_loss, g_lse = _cotangents(rng, "random", labels)
+  f = lambda h, w: pallas_cross_entropy(h, w, jnp.asarray(labels), 4.0, True, tpu=True)
+  out, vjp = jax.vjp(f, h, w)
+  got = (*out, *vjp((jnp.asarray(g_loss), jnp.asarray(g_lse))))
+  ref = np_cross_entropy(np.asarray(h, np.float64), np.asarray(w, np.float64), labels, 4.0,
+                         g_loss, g_lse)
+  assert got[2].dtype == jnp.bfloat16
+  for a, b, tol in zip(got, ref, (1e-4, 1e-4, 2e-2, 2e-2)):
+    _close(a, b, tol)
+
+
 def test_cross_entropy_auto_and_default_chunk():
   rng = np.random.default_rng(2)
   h, w = rng.normal(size=(50, 8)).astype(np.float32), rng.normal(size=(8, 40)).astype(np.float32)
