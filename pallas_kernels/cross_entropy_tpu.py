@@ -45,12 +45,12 @@ def _vmem_bytes(bn, bv, d, itemsize):
 
 def tiles(n, d, vocab, dtype):
   """(bn, bv, d_pad). bn a multiple of 16 (bf16 packs 16 rows per vreg), bv and d_pad of
-  128 (lanes); bv halves (not below 128) until the blocks fit VMEM_BUDGET."""
+  128 (lanes); bv about halves (down to 128) until the blocks fit VMEM_BUDGET."""
   itemsize = jnp.dtype(dtype).itemsize
   bn, bv = min(BLOCK_N, round_up(n, 16)), min(BLOCK_V, round_up(vocab, 128))
   d_pad = round_up(d, 128)
   while bv > 128 and _vmem_bytes(bn, bv, d_pad, itemsize) > VMEM_BUDGET:
-    bv //= 2
+    bv = round_up(bv // 2, 128)  # e.g. 384 -> 256, never off the lane multiple
   return bn, bv, d_pad
 
 
