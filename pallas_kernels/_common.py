@@ -13,7 +13,7 @@ from jax.experimental.pallas import triton as pl_triton
 #   pallas            the Pallas kernel, compiled on GPU/TPU (interpreted on CPU, the only
 #                     way it runs there)
 #   pallas_interpret  the Pallas kernel in interpret mode on any backend (tests, debugging)
-#   auto              "pallas" on gpu/tpu, "xla" on cpu (fused_cross_entropy: "xla" on tpu too)
+#   auto              "pallas" on gpu/tpu, "xla" on cpu
 IMPLS = ("auto", "naive", "xla", "pallas", "pallas_interpret")
 
 # fp32 inputs must not silently drop to TF32 / bf16 passes on GPU/TPU: the kernels promise
@@ -25,14 +25,14 @@ PRECISION = lax.Precision.HIGHEST
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def resolve_impl(impl: str, pallas_backends=("gpu", "tpu")) -> tuple[str, bool]:
+def resolve_impl(impl: str) -> tuple[str, bool]:
   """Map a user-facing impl name to (family, interpret) at trace time; "auto" means
-  "pallas" on `pallas_backends`, "xla" elsewhere."""
+  "pallas" on GPU and TPU, "xla" elsewhere."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   backend = jax.default_backend()
   if impl == "auto":
-    impl = "pallas" if backend in pallas_backends else "xla"
+    impl = "pallas" if backend in ("gpu", "tpu") else "xla"
   if impl == "pallas_interpret":
     return "pallas", True
   if impl == "pallas":

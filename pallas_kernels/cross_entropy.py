@@ -13,7 +13,8 @@ Three versions, one chooser (`fused_cross_entropy`):
           [chunk, vocab] block of logits is ever alive. Under jax.grad the forward also
           builds the gradient of sum(loss), which the backward rescales when the cotangent
           allows (a mean, masked mean or sum of the loss) and recomputes chunks otherwise.
-  pallas  tokens x vocab tiles with an online logsumexp (cross_entropy_pallas.py).
+  pallas  tokens x vocab tiles with an online logsumexp (cross_entropy_pallas.py; on TPU
+          the BlockSpec-tiled kernels of cross_entropy_tpu.py).
 """
 
 from __future__ import annotations
@@ -211,12 +212,10 @@ def fused_cross_entropy(
   negative = ignored, must be < vocab). Logits are fp32 whatever the input dtype.
   Returns loss [n] float32, or (loss, lse) with return_lse (lse is differentiable too,
   for a z-loss). chunk_size: tokens per chunk for impl="xla" (default: <= 256 MiB of logits).
-  impl: one of IMPLS; "auto" is "pallas" on GPU and "xla" on CPU and TPU.
+  impl: one of IMPLS; "auto" is "pallas" on GPU and TPU and "xla" on CPU.
   """
   _check(hidden, weight, labels, logit_soft_cap, chunk_size)
-  # The Pallas kernel is Triton-shaped (whole operands sliced in the kernel); on TPU those
-  # operands would have to fit in VMEM, so "auto" keeps the chunked XLA path there.
-  family, interpret = resolve_impl(impl, pallas_backends=("gpu",))
+  family, interpret = resolve_impl(impl)
   labels = labels.astype(jnp.int32)
   # One compute dtype for both matmul operands (bf16 stays bf16, mixed goes up).
   dtype = jnp.promote_types(hidden.dtype, weight.dtype)
@@ -227,5 +226,6 @@ def fused_cross_entropy(
     chunk = chunk_size or default_chunk(hidden.shape[0], weight.shape[1])
     loss, lse = xla_cross_entropy(hidden, weight, labels, logit_soft_cap, chunk)
   else:
-    loss, lse = pallas_cross_entropy(hidden, weight, labels, logit_soft_cap, interpret)
+    tpu = jax.default_backend() == "tpu"  # VMEM-tiled kernels there, Triton-style elsewhere
+    loss, lse = pallas_cross_entropy(hidden, weight, labels, logit_soft_cap, interpret, tpu)
   return (loss, lse) if return_lse else loss

@@ -17,6 +17,9 @@ The two backward kernels each recompute the logits (5 matmuls in all against 3 f
 naive path): the price of writing every output block from exactly one program, without
 atomics. Inputs are padded to whole tiles; padded vocab columns are masked out of the
 logsumexp, padded rows carry ignored labels and zero cotangents.
+
+Whole operands cannot sit in a TPU core's VMEM, so on TPU the custom VJP below runs the
+BlockSpec-tiled kernels of cross_entropy_tpu.py instead (same math, same padding).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import cross_entropy_tpu
 from pallas_kernels._common import MASK, compiler_params, matmul, next_pow2, pad_to, round_up
 
 # Default tiles, sized for a GPU program: a [64, 128] fp32 logits tile plus [64, 64] and
@@ -41,8 +45,9 @@ class _Cfg(NamedTuple):  # static (hashable) kernel parameters
   cap: float | None
   bn: int
   bv: int
-  bd: int
+  bd: int  # on TPU: the whole padded d
   interpret: bool
+  tpu: bool  # the kernels of cross_entropy_tpu.py
 
 
 # ------------------------------------------------------------------ tile helpers
@@ -190,24 +195,16 @@ def _label_columns(labels):
   return [labels[:, k] for k in range(labels.shape[1])]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ce(h, w, labels, cfg):
-  return _ce_fwd(h, w, labels, cfg)[0]
-
-
-def _ce_fwd(h, w, labels, cfg):
+def _forward(h, w, labels, cfg):
   n = h.shape[0]
   vec = jax.ShapeDtypeStruct((n,), jnp.float32)
   spec = pl.BlockSpec((cfg.bn,), lambda i: (i,))
-  loss, lse = _call(
+  return _call(
       _fwd_kernel, cfg, (n // cfg.bn,), [spec, spec], [vec, vec], h, w, *_label_columns(labels)
   )
-  return (loss, lse), (h, w, labels, lse)
 
 
-def _ce_bwd(cfg, res, cts):
-  h, w, labels, lse = res
-  g_loss, g_lse = cts
+def _backward(h, w, labels, lse, g_loss, g_lse, cfg):
   (n, d), v = h.shape, w.shape[1]
   args = (h, w, lse, g_loss, g_lse, *_label_columns(labels))
   dh = _call(
@@ -218,23 +215,44 @@ def _ce_bwd(cfg, res, cts):
       _dweight_kernel, cfg, (v // cfg.bv,), pl.BlockSpec((d, cfg.bv), lambda j: (0, j)),
       jax.ShapeDtypeStruct((d, v), jnp.float32), *args,
   )
+  return dh, dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ce(h, w, labels, cfg):
+  return _ce_fwd(h, w, labels, cfg)[0]
+
+
+def _ce_fwd(h, w, labels, cfg):
+  loss, lse = (cross_entropy_tpu.forward if cfg.tpu else _forward)(h, w, labels, cfg)
+  return (loss, lse), (h, w, labels, lse)
+
+
+def _ce_bwd(cfg, res, cts):
+  h, w, labels, lse = res
+  dh, dw = (cross_entropy_tpu.backward if cfg.tpu else _backward)(h, w, labels, lse, *cts, cfg)
   return dh.astype(h.dtype), dw.astype(w.dtype), None
 
 
 _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
-def pallas_cross_entropy(hidden, weight, labels, cap, interpret, *,
+def pallas_cross_entropy(hidden, weight, labels, cap, interpret, tpu=False, *,
                          block_n=BLOCK_N, block_v=BLOCK_V, block_d=BLOCK_D):
-  """(loss [n], lse [n]) of the Pallas kernels; pads every axis to whole tiles."""
+  """(loss [n], lse [n]) of the Pallas kernels; pads every axis to whole tiles.
+
+  tpu: the TPU kernels (cross_entropy_tpu.py, their own tiles) instead of the Triton-style
+  ones with tiles block_*."""
   (n, d), vocab = hidden.shape, weight.shape[1]
-  # Shrink a tile to the (power-of-two) problem size when the problem is smaller.
-  bn, bv, bd = (min(b, max(16, next_pow2(x))) for b, x in
-                ((block_n, n), (block_v, vocab), (block_d, d)))
+  if tpu:
+    bn, bv, bd = cross_entropy_tpu.tiles(n, d, vocab, hidden.dtype)
+  else:  # shrink a tile to the (power-of-two) problem size when the problem is smaller
+    bn, bv, bd = (min(b, max(16, next_pow2(x))) for b, x in
+                  ((block_n, n), (block_v, vocab), (block_d, d)))
   n_pad, v_pad, d_pad = round_up(n, bn), round_up(vocab, bv), round_up(d, bd)
   h = pad_to(hidden, (n_pad, d_pad))
   w = pad_to(weight, (d_pad, v_pad))
   labels = pad_to(labels, (n_pad, labels.shape[1]), value=-1)
-  cfg = _Cfg(vocab, cap, bn, bv, bd, bool(interpret))
+  cfg = _Cfg(vocab, cap, bn, bv, bd, bool(interpret), bool(tpu))
   loss, lse = _ce(h, w, labels, cfg)
   return loss[:n], lse[:n]

@@ -177,6 +177,70 @@ def test_cross_entropy_bf16(impl, cotangent):
     _close(a, b, tol)
 
 
+# The TPU kernels (cross_entropy_tpu.py) run only where jax.default_backend() == "tpu";
+# here they are forced through pallas_cross_entropy(..., tpu=True) in interpret mode.
+# n and vocab divide neither the 16-row nor the 128-column tile, d is not a multiple of 128.
+TPU_CASES = [(37, 24, 300, 1, None), (37, 24, 300, 4, 5.0), (20, 40, 130, 4, None),
+             (9, 8, 70, 1, 3.0)]
+
+
+@pytest.mark.parametrize("cotangent", ("random", "mean"))
+@pytest.mark.parametrize("n,d,vocab,s,cap", TPU_CASES)
+def test_cross_entropy_tpu_kernels_interpret(cotangent, n, d, vocab, s, cap):
+  from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
+
+  rng = np.random.default_rng(n * 1000 + s)
+  h = rng.normal(size=(n, d)).astype(np.float32)
+  w = (rng.normal(size=(d, vocab)) * 0.5).astype(np.float32)
+  labels = _labels(rng, n, s, vocab)
+  g_loss, g_lse = _cotangents(rng, cotangent, labels)
+  f = lambda h, w: pallas_cross_entropy(h, w, jnp.asarray(labels), cap, True, tpu=True)
+  out, vjp = jax.vjp(f, jnp.asarray(h), jnp.asarray(w))
+  got = (*out, *vjp((jnp.asarray(g_loss), jnp.asarray(g_lse))))
+  for a, b in zip(got, np_cross_entropy(h, w, labels, cap, g_loss, g_lse)):
+    _close(a, b, 1e-5)
+  assert float(got[0][1]) == 0.0  # the all-ignored row
+
+
+def test_cross_entropy_tpu_kernels_several_vocab_tiles():
+  """A vocab of 3 full tiles and a partial one, two token tiles: the online logsumexp and
+  both backward accumulations run across grid steps (the cases above fit one tile)."""
+  from pallas_kernels import cross_entropy_tpu
+  from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
+
+  rng = np.random.default_rng(5)
+  n, d, vocab, s = 300, 16, 3 * cross_entropy_tpu.BLOCK_V + 70, 2
+  h = rng.normal(size=(n, d)).astype(np.float32)
+  w = rng.normal(size=(d, vocab)).astype(np.float32)
+  labels = _labels(rng, n, s, vocab)
+  g_loss, g_lse = _cotangents(rng, "random", labels)
+  f = lambda h, w: pallas_cross_entropy(h, w, jnp.asarray(labels), 4.0, True, tpu=True)
+  out, vjp = jax.vjp(f, jnp.asarray(h), jnp.asarray(w))
+  got = (*out, *vjp((jnp.asarray(g_loss), jnp.asarray(g_lse))))
+  for a, b in zip(got, np_cross_entropy(h, w, labels, 4.0, g_loss, g_lse)):
+    _close(a, b, 1e-5)
+
+
+def test_cross_entropy_tpu_kernels_bf16():
+  """bf16 blocks (16-row tiles) and dz rounded to bf16 before the gradient dots, as on GPU."""
+  from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
+
+  rng = np.random.default_rng(1)
+  n, d, vocab, s = 21, 48, 200, 2
+  h = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
+  w = jnp.asarray(rng.normal(size=(d, vocab)) * 0.3, jnp.bfloat16)
+  labels = _labels(rng, n, s, vocab)
+  g_loss, g_lse = _cotangents(rng, "random", labels)
+  f = lambda h, w: pallas_cross_entropy(h, w, jnp.asarray(labels), 4.0, True, tpu=True)
+  out, vjp = jax.vjp(f, h, w)
+  got = (*out, *vjp((jnp.asarray(g_loss), jnp.asarray(g_lse))))
+  ref = np_cross_entropy(np.asarray(h, np.float64), np.asarray(w, np.float64), labels, 4.0,
+                         g_loss, g_lse)
+  assert got[2].dtype == jnp.bfloat16
+  for a, b, tol in zip(got, ref, (1e-4, 1e-4, 2e-2, 2e-2)):
+    _close(a, b, tol)
+
+
 def test_cross_entropy_auto_and_default_chunk():
   rng = np.random.default_rng(2)
   h, w = rng.normal(size=(50, 8)).astype(np.float32), rng.normal(size=(8, 40)).astype(np.float32)
@@ -267,3 +331,20 @@ def test_pallas_kernels_lower_for_gpu(monkeypatch):
                    (mix, (sds((70, 4, 12), jnp.float32), sds((4, 12, 6), jnp.float32)))):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 3  # forward and two backward kernels
+
+
+def test_cross_entropy_tpu_kernels_lower_for_tpu():
+  """No TPU here either, but the Pallas -> Mosaic lowering runs on this host: it checks the
+  TPU block-shape rules and that every op in the kernels has a Mosaic lowering (not the
+  Mosaic compiler passes, which run on a TPU)."""
+  from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
+
+  def ce(h, w, y):
+    f = lambda h, w: pallas_cross_entropy(h, w, y, 30.0, False, tpu=True)[0].sum()
+    return jax.value_and_grad(f, argnums=(0, 1))(h, w)
+
+  sds = jax.ShapeDtypeStruct
+  for dtype in (jnp.float32, jnp.bfloat16):
+    args = sds((70, 150), dtype), sds((150, 1100), dtype), sds((70, 2), jnp.int32)
+    text = jax.jit(ce).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 3  # forward and two backward kernels
