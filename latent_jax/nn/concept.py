@@ -119,10 +119,15 @@ class ConceptLM(nnx.Module):
       self.lm_head = param(rngs, (d, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
+    self.nitp_layer = 0  # > 0 (set by nn.auxiliary.add_heads): expose encoder layer k's output
 
   def head_weight(self):
     """The LM head as a [d, vocab] matrix (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+  def embed_tokens(self, tokens):
+    """tokens [B, T] int32 -> input embeddings [B, T, d] in the compute dtype."""
+    return self.embed[...].astype(self.dtype)[tokens]
 
   def init_cache(self, *args, **kwargs):
     raise NotImplementedError(NO_CACHE)
@@ -144,7 +149,7 @@ class ConceptLM(nnx.Module):
     concept_seg = C.chunk_segments(segment_ids, k) if cfg.document_mask else jnp.zeros((b, t // k), jnp.int32)
     token_pos = positions if cfg.document_mask else default_positions(tokens)
 
-    h, enc_states = self.encoder(self.embed[...].astype(self.dtype)[tokens], positions, segment_ids)
+    h, enc_states = self.encoder(self.embed_tokens(tokens), positions, segment_ids)
     c = C.pool_concepts(h, k, docs)                                        # [B, M, d]
     if cfg.concept_norm:
       c = self.concept_norm(c)
@@ -167,5 +172,7 @@ class ConceptLM(nnx.Module):
     hidden = self.final_norm(x)
     out_logits = hidden @ self.head_weight().astype(self.dtype) if logits else None
     aux = {"concepts": c, "predicted": predicted, "quantized": quantized, "codes": codes,
-           "code_logits": code_logits, "ncp_mask": concept_seg[:, :-1] == concept_seg[:, 1:]}
+           "code_logits": code_logits, "ncp_mask": concept_seg[:, :-1] == concept_seg[:, 1:], "pre_norm": x}
+    if self.nitp_layer:  # NITP's target: a shallow encoder state; its prediction reads the decoder (docs/aux.md)
+      aux["nitp_target_state"] = enc_states[self.nitp_layer - 1]
     return ModelOutput(hidden=hidden, logits=out_logits, aux=aux)
