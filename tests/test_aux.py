@@ -219,6 +219,7 @@ def test_export_drops_the_heads_and_generates_the_same(tmp_path, corpus_dir):
   run, out = str(tmp_path / "run"), str(tmp_path / "export")
   rows = train(cfg, run)
   assert np.isfinite(rows["nitp_loss"]) and np.isfinite(rows["mtp_loss"])
+  assert rows["flops"] == 2 * 8 * 32 * flops.flops_per_token(cfg, 32)  # the heads' FLOPs are counted
   export(run, out)
   saved = lambda d: set(ocp.StandardCheckpointer().restore(os.path.abspath(d)))
   assert {"nitp_projector", "mtp"} <= saved(os.path.join(run, "checkpoints", "2", "params"))
@@ -231,19 +232,23 @@ def test_export_drops_the_heads_and_generates_the_same(tmp_path, corpus_dir):
   np.testing.assert_array_equal(texts[0], texts[1])
 
 
-def test_concept_lm_trains_with_nitp_and_mtp(tmp_path, corpus_dir):
-  from latent_jax.train.loop import train
+def test_concept_lm_train_step_with_nitp_and_mtp():
+  """One gradient step of ncp_objective with both terms: target from encoder layer 2, every term
+  logged, the total their weighted sum, gradients finite and reaching both heads."""
+  from latent_jax.objectives import ncp_objective
   extra = ["nitp.enabled=True", "mtp.enabled=True", "model.num_segments=4", "model.codebook_size=16",
-           "model.encoder_layers=2", "model.concept_layers=1", "model.decoder_layers=1", "nitp.layer=2",
-           "train.steps=2", "optim.warmup_steps=1", "train.eval_every=0", f"data.source={corpus_dir}"]
+           "model.encoder_layers=2", "model.concept_layers=1", "model.decoder_layers=1", "nitp.layer=2"]
   cfg = load_config(TINY_NCP, TINY_OVERRIDES + extra)
-  train(cfg, str(tmp_path))
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
+  step = jax.jit(jax.value_and_grad(lambda p, b: ncp_objective(nnx.merge(graphdef, p), b, cfg), has_aux=True))
+  (total, r), grads = step(params, packed_batch())
   n = cfg.ncp
-  for r in rows:
-    assert r["total_loss"] == pytest.approx(r["loss"] + n.alpha * r["ncp_loss"] + n.beta * r["vq_loss"]
-                                            + r["nitp_loss"] + 0.3 * r["mtp_loss"], rel=1e-5)
-  assert rows[-1]["flops"] == 2 * 8 * 32 * flops.flops_per_token(cfg, 32)
+  assert r["total_loss"] == pytest.approx(r["loss"] + n.alpha * r["ncp_loss"] + n.beta * r["vq_loss"]
+                                          + r["nitp_loss"] + 0.3 * r["mtp_loss"], rel=1e-5)
+  assert 0 < r["nitp_loss"] < 2 and 0 < r["mtp_loss"] < 10
+  grads = nnx.to_pure_dict(grads)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  assert all(np.any(g) for g in jax.tree.leaves({k: grads[k] for k in ("nitp_projector", "mtp")}))
 
 
 # ------------------------------------------------------------------ FLOPs and configs
