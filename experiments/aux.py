@@ -44,9 +44,9 @@ def main():
   runs = {name: run_seeds(name, config, overrides + extra, seeds, args.root) for name, config, extra, _ in RUNS}
   table = summarise(runs)
   stem = "aux_smoke" if args.steps else "aux"
+  described = ", ".join(f"{n} = configs/{c} {' '.join(e)}".strip() for n, c, e, _ in RUNS)
   write_results(stem, table, runs, "# Auxiliary objectives on the tiny recipes (KJV, equal tokens)\n\n"
-                f"Runs: {', '.join(f'{n} = configs/{c} {e or ''}'.strip() for n, c, e, _ in RUNS)}; "
-                f"overrides {overrides}.")
+                f"Runs: {described}; overrides {overrides}, seeds {seeds}.")
   lines = ["", "| run | vs | change in mean val_loss | paper (final loss) |", "|---|---|---|---|"]
   for name, _, _, base in RUNS:
     delta = f"{table[name][1] - table[base][1]:+.4f}" if base else ""
