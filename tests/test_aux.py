@@ -208,6 +208,26 @@ def test_stop_gradient_keeps_nitp_off_the_target_path():
   assert all(np.any(g) for g in jax.tree.leaves(shallow(sg)))  # the prediction path runs through layer 1
 
 
+def test_ablation_switches_reach_the_loss():
+  """projector=False predicts with h itself; source=pre_norm reads the state before the final norm."""
+  cfg = nitp_cfg("nitp.projector=False", "nitp.source=pre_norm", "nitp.loss=mse", "nitp.alignment=same",
+                 "nitp.layer=2")
+  graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
+  assert "nitp_projector" not in nnx.to_pure_dict(params)
+  batch = packed_batch()
+
+  @jax.jit
+  def run(params):
+    model = nnx.merge(graphdef, params)
+    out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
+    return auxiliary_terms(model, out, batch, cfg)[1]["nitp_loss"], out.aux
+  got, aux = run(params)
+  np.testing.assert_array_equal(aux["nitp_target_state"], aux["pre_norm"])  # layer 2 of 2: the last state
+  mask = A.nitp_mask(batch["targets"], batch["segment_ids"], "same")
+  assert float(got) == pytest.approx(float(A.nitp_loss(aux["pre_norm"], aux["pre_norm"], mask, "mse", "same")))
+  assert float(got) == 0.0
+
+
 # ------------------------------------------------------------------ training, export, ConceptLM
 def test_export_drops_the_heads_and_generates_the_same(tmp_path, corpus_dir):
   from latent_jax.export import export

@@ -14,7 +14,9 @@ from latent_jax.nn.layers import BlockStack, RMSNorm, param
 class ModelOutput:
   hidden: jax.Array                 # [B, T, d] final-norm hidden states (the LM head's input)
   logits: jax.Array | None = None   # [B, T, vocab], when asked for
-  aux: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra tensors for objectives
+  # Extra tensors for objectives: "pre_norm" (the state before the final norm), "nitp_target_state"
+  # (the state after layer nitp_layer, when set), and ConceptLM's concept tensors.
+  aux: dict[str, Any] = dataclasses.field(default_factory=dict)
   cache: Any = None                 # updated KV cache when decoding
 
 
