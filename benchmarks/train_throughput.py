@@ -27,10 +27,10 @@ def main(argv):
   cfg = load_config(path, overrides)
   n_steps = int(flags.get("steps", 10))
   mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, abstract = steps.abstract_model(cfg.model)
+  graphdef, abstract = steps.abstract_model(cfg)  # with the NITP / MTP heads the config enables
   tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
   shardings = steps.state_shardings(abstract, tx, mesh)
-  state = steps.init_state(cfg.model, 0, tx, shardings)
+  state = steps.init_state(cfg, 0, tx, shardings)
   train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg))
 
   b, t, v = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
@@ -52,7 +52,7 @@ def main(argv):
     times.append(time.perf_counter() - start)
 
   step_s = float(np.median(times))
-  flops_per_token = flops.flops_per_token(cfg.model, t)
+  flops_per_token = flops.flops_per_token(cfg, t)
   peak = flops.measure_matmul_peak(jax.numpy.dtype(cfg.model.dtype), n=min(2048, max(512, cfg.model.d_model * 2)))
   result = {
       "config": path, "overrides": overrides, "device": jax.devices()[0].device_kind,

@@ -65,4 +65,19 @@ def get_config():
 
   c.kernels = ml_collections.ConfigDict()
   c.kernels.impl = "auto"              # auto | pallas | xla | naive  (cross-entropy and codebook mixing)
+
+  # Auxiliary objectives, off here; configs/tiny_nitp.py turns NITP on (docs/aux.md).
+  c.nitp = ml_collections.ConfigDict()
+  c.nitp.enabled = False               # Next Implicit Token Prediction: + weight * L_NITP
+  c.nitp.weight = 1.0                  # lambda (paper: 1.0; 0.8 at 3B/9B, 0.6 at 45B)
+  c.nitp.layer = 0                     # target = state after the first k layers; 0 = max(1, round(0.2 * depth))
+  c.nitp.source = "final_norm"         # prediction from h_t after the final norm | pre_norm (before it)
+  c.nitp.loss = "cosine"               # cosine (1 - cos, the paper) | mse (ablation: unstable in the paper)
+  c.nitp.alignment = "next"            # next (h_t -> z_{t+1}) | same (ablation: h_t -> z_t)
+  c.nitp.stop_gradient = True          # sg on the target (ablation: False)
+  c.nitp.projector = True              # SwiGLU d -> 4d -> d on h_t (ablation: False = identity)
+
+  c.mtp = ml_collections.ConfigDict()
+  c.mtp.enabled = False                # DeepSeek-V3 multi-token prediction, depth 1: + weight * CE(x_{t+2})
+  c.mtp.weight = 0.3
   return c

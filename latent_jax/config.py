@@ -144,6 +144,7 @@ def validate(cfg):
   if m.name == "concept":
     validate_ncp(cfg)
   validate_tst(cfg)
+  validate_aux(cfg)
   return cfg
 
 
@@ -183,6 +184,62 @@ def validate_tst(cfg):
     check(cfg.optim.warmup_steps < min(n1, steps - n1), "optim.warmup_steps",
           f"{cfg.optim.warmup_steps} must be below both phases' lengths ({n1} and {steps - n1}): with "
           "tst.carry='params' each phase restarts the schedule, warmup included.")
+
+
+def nitp_enabled(cfg):
+  """Whether the (whole) config turns on Next Implicit Token Prediction (an optional `nitp` section)."""
+  return "nitp" in cfg and bool(cfg.nitp.enabled)
+
+
+def mtp_enabled(cfg):
+  """Whether the (whole) config turns on multi-token prediction (an optional `mtp` section)."""
+  return "mtp" in cfg and bool(cfg.mtp.enabled)
+
+
+def nitp_depth(model_cfg):
+  """Layers the NITP target may come from, and the depth its default is a fraction of.
+
+  Baseline: all layers of a depth-L model. ConceptLM: the encoder's E layers (the target must
+  be a shallow token-rate state), against the token path's depth E + D (docs/aux.md).
+  """
+  if model_cfg.name == "concept":
+    return model_cfg.encoder_layers, model_cfg.encoder_layers + model_cfg.decoder_layers
+  return model_cfg.num_layers, model_cfg.num_layers
+
+
+def nitp_layer(cfg):
+  """k: the NITP target is the state after the first k layers; nitp.layer = 0 picks ~20% of depth."""
+  limit, depth = nitp_depth(cfg.model)
+  return cfg.nitp.layer or min(limit, max(1, round(0.2 * depth)))
+
+
+NITP_FIELDS = ("enabled", "weight", "layer", "source", "loss", "alignment", "stop_gradient", "projector")
+
+
+def validate_aux(cfg):
+  """The `nitp` and `mtp` sections (docs/aux.md); checked only when enabled."""
+  if nitp_enabled(cfg):
+    n = cfg.nitp
+    for f in NITP_FIELDS:
+      check(f in n, f"nitp.{f}", "missing; start from configs/tiny_nitp.py.")
+    check(n.weight >= 0, "nitp.weight", f"the loss weight lambda must be >= 0, got {n.weight}.")
+    limit, _ = nitp_depth(cfg.model)
+    where = "model.encoder_layers" if cfg.model.name == "concept" else "model.num_layers"
+    check(isinstance(n.layer, int) and 0 <= n.layer <= limit, "nitp.layer",
+          f"{n.layer!r} is not a layer of the model: use 1..{where}={limit}, or 0 for ~20% of the depth.")
+    check_choice(n.source, "nitp.source", ("final_norm", "pre_norm"))
+    check_choice(n.loss, "nitp.loss", ("cosine", "mse"))
+    check_choice(n.alignment, "nitp.alignment", ("next", "same"))
+    for f in ("stop_gradient", "projector"):
+      check(isinstance(n[f], bool), f"nitp.{f}", f"must be True or False, got {n[f]!r}.")
+  if mtp_enabled(cfg):
+    check("weight" in cfg.mtp, "mtp.weight", "missing; start from configs/tiny.py.")
+    check(cfg.mtp.weight >= 0, "mtp.weight", f"the loss weight must be >= 0, got {cfg.mtp.weight}.")
+    check(cfg.data.seq_len >= 3, "data.seq_len", f"{cfg.data.seq_len} is too short for MTP, which predicts "
+          "token t+2; use at least 3.")
+  if tst_enabled(cfg):
+    check(not (nitp_enabled(cfg) or mtp_enabled(cfg)), "tst.enabled",
+          "TST does not combine with nitp/mtp yet; set tst.enabled=False or nitp.enabled=mtp.enabled=False.")
 
 
 NCP_FIELDS = ("encoder_layers", "concept_layers", "decoder_layers", "chunk_size", "num_segments", "codebook_size",

@@ -2,7 +2,8 @@
 
 Writes a params-only Orbax checkpoint in the inference dtype (default: the model's compute
 dtype) to DIR2/params, with DIR2/config.json and DIR2/tokenizer.model beside it; generate and
-eval load DIR2 like a workdir. Optimiser state and training-only parameters are left out.
+eval load DIR2 like a workdir. Optimiser state and training-only parameters (the NITP projector,
+the MTP block) are left out, and the saved config has nitp/mtp disabled to match.
 """
 import json
 import os
@@ -20,7 +21,8 @@ from latent_jax.train import checkpoint
 
 def export(workdir, out, step=None, dtype=None):
   cfg, step = load.load_config(workdir, step)
-  _, params = load.load_params(workdir, cfg, step)
+  _, params = load.load_params(workdir, cfg, step)  # the inference model's params only
+  cfg = load.inference_config(cfg)
   dtype = dtype or cfg.model.dtype
   if dtype not in DTYPES:
     raise ValueError(f"--dtype={dtype}: use one of {DTYPES}.")

@@ -7,6 +7,8 @@ its `loss` is the multi-hot bag CE; `val_loss` is per-token NTP in every phase.)
 import jax.numpy as jnp
 
 import pallas_kernels
+from latent_jax.config import mtp_enabled, nitp_enabled
+from latent_jax.ops import auxiliary as A
 from latent_jax.ops import concepts as C
 from latent_jax.ops import superposition as sup
 
@@ -45,23 +47,51 @@ def ntp_terms(model, out, batch, cfg):
   return total, metrics
 
 
-def lm_objective(model, batch, cfg):
-  """NTP (+ z-loss) for the baseline. Returns (total loss, metrics dict)."""
-  out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
-  total, metrics = ntp_terms(model, out, batch, cfg)
-  metrics["total_loss"] = total
+def auxiliary_terms(model, out, batch, cfg):
+  """NITP and MTP terms of a forward pass `out` (docs/aux.md), for either model.
+
+  Returns (their weighted sum, metrics with `nitp_loss` / `mtp_loss`); (0, {}) when both are off.
+  """
+  total, metrics = 0.0, {}
+  if nitp_enabled(cfg):  # L_NITP = 1 - cos(P(h_t), sg(z_{t+1})), z = state after layer k
+    n = cfg.nitp
+    h = out.hidden if n.source == "final_norm" else out.aux["pre_norm"]
+    pred = model.nitp_projector(h) if n.projector else h
+    mask = A.nitp_mask(batch["targets"], batch["segment_ids"], n.alignment)
+    metrics["nitp_loss"] = A.nitp_loss(pred, out.aux["nitp_target_state"], mask, n.loss, n.alignment,
+                                       n.stop_gradient)
+    total = total + n.weight * metrics["nitp_loss"]
+  if mtp_enabled(cfg):  # CE of x_{t+2} from MTPBlock(h_t, Emb(x_{t+1})) through the shared LM head
+    hidden = model.mtp(out.aux["pre_norm"], model.embed_tokens(A.next_tokens(batch["inputs"])),
+                       batch["positions"], batch["segment_ids"])
+    labels = A.mtp_targets(batch["targets"], batch["segment_ids"])
+    ce, _ = token_cross_entropy(hidden, model.head_weight().astype(hidden.dtype), labels, cfg.kernels.impl)
+    metrics["mtp_loss"] = masked_mean(ce, (labels >= 0).astype(jnp.float32))
+    total = total + cfg.mtp.weight * metrics["mtp_loss"]
   return total, metrics
 
 
+def lm_objective(model, batch, cfg):
+  """NTP (+ z-loss, NITP, MTP) for the baseline. Returns (total loss, metrics dict)."""
+  out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
+  total, metrics = ntp_terms(model, out, batch, cfg)
+  aux_total, aux_metrics = auxiliary_terms(model, out, batch, cfg)
+  metrics.update(aux_metrics)
+  metrics["total_loss"] = total + aux_total
+  return metrics["total_loss"], metrics
+
+
 def ncp_objective(model, batch, cfg):
-  """NCP-ArchPreview Eq. 24: L_NTP + alpha L_NCP + beta L_VQ (+ z-loss), each term logged on its own."""
+  """NCP-ArchPreview Eq. 24: L_NTP + alpha L_NCP + beta L_VQ (+ z-loss, NITP, MTP), each term logged on its own."""
   out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False, **model_kwargs(cfg))
   total, metrics = ntp_terms(model, out, batch, cfg)
   a, m, n = out.aux, cfg.model, cfg.ncp
   metrics["ncp_loss"] = C.ncp_loss(a["predicted"], a["concepts"], m.num_segments, n.reduction, a["ncp_mask"])
   metrics["vq_loss"] = C.vq_loss(a["concepts"], a["quantized"], m.num_segments, n.reduction)
   metrics.update(C.codebook_usage(a["codes"], m.codebook_size))
-  total = total + n.alpha * metrics["ncp_loss"] + n.beta * metrics["vq_loss"]
+  aux_total, aux_metrics = auxiliary_terms(model, out, batch, cfg)
+  metrics.update(aux_metrics)
+  total = total + n.alpha * metrics["ncp_loss"] + n.beta * metrics["vq_loss"] + aux_total
   metrics["total_loss"] = total
   return total, metrics
 

@@ -43,14 +43,30 @@ def load_config(directory, step=None):
 
 
 def load_params(directory, cfg, step=None):
-  graphdef, abstract = steps.abstract_model(cfg.model)
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(abstract))
+  """(graphdef, params) of the inference model: training-only heads (NITP, MTP) are dropped."""
+  _, saved = steps.abstract_model(cfg)  # what the checkpoint holds, heads included
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(saved))
   if is_export(directory):
     params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")), target)
   else:
     manager, step = find_checkpoint(directory, step)
     params = manager.restore_params(step, target)
-  return graphdef, params
+  graphdef, abstract = steps.abstract_model(cfg.model)
+  return graphdef, keep_like(params, nnx.to_pure_dict(abstract))
+
+
+def keep_like(tree, like):
+  """The entries of the nested dict `tree` whose keys the nested dict `like` has."""
+  return {k: keep_like(tree[k], v) if isinstance(v, dict) else tree[k] for k, v in like.items()}
+
+
+def inference_config(cfg):
+  """A copy of cfg that builds no training-only heads (what an export's params hold)."""
+  cfg = cfg.copy_and_resolve_references()
+  for section in ("nitp", "mtp"):
+    if section in cfg:
+      cfg[section].enabled = False
+  return cfg
 
 
 def load_tokenizer(directory, cfg):

@@ -14,7 +14,9 @@ from latent_jax.nn.layers import BlockStack, RMSNorm, param
 class ModelOutput:
   hidden: jax.Array                 # [B, T, d] final-norm hidden states (the LM head's input)
   logits: jax.Array | None = None   # [B, T, vocab], when asked for
-  aux: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra tensors for objectives
+  # Extra tensors for objectives: "pre_norm" (the state before the final norm), "nitp_target_state"
+  # (the state after layer nitp_layer, when set), and ConceptLM's concept tensors.
+  aux: dict[str, Any] = dataclasses.field(default_factory=dict)
   cache: Any = None                 # updated KV cache when decoding
 
 
@@ -32,6 +34,7 @@ class BaselineLM(nnx.Module):
       self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
+    self.nitp_layer = 0  # > 0 (set by nn.auxiliary.add_heads): expose the state after this layer
 
   def head_weight(self):
     """The LM head as a [d, vocab] matrix (the embedding's transpose when tied)."""
@@ -55,10 +58,11 @@ class BaselineLM(nnx.Module):
     if positions is None:
       positions = default_positions(tokens) if cache_index is None else cache_index + default_positions(tokens)
     x = self.embed_tokens(tokens) if embeddings is None else embeddings.astype(self.dtype)
-    x, cache = self.blocks(x, positions, segment_ids, cache, cache_index)
+    x, cache, shallow = self.blocks(x, positions, segment_ids, cache, cache_index, tap=self.nitp_layer)
     h = self.final_norm(x)
     out_logits = h @ self.head_weight().astype(self.dtype) if logits else None
-    return ModelOutput(hidden=h, logits=out_logits, cache=cache)
+    aux = {"pre_norm": x} if shallow is None else {"pre_norm": x, "nitp_target_state": shallow}
+    return ModelOutput(hidden=h, logits=out_logits, aux=aux, cache=cache)
 
   def init_cache(self, batch, length, dtype=None):
     return self.blocks.init_cache(self.cfg, batch, length, dtype or self.dtype)

@@ -128,12 +128,14 @@ class ConceptLM(nnx.Module):
       self.lm_head = param(rngs, (d, cfg.vocab_size), ("embed", "vocab"), cfg.init_std, pd)
     self.cfg = cfg
     self.dtype = jnp.dtype(cfg.dtype)
+    self.nitp_layer = 0  # > 0 (set by nn.auxiliary.add_heads): expose encoder layer k's output
 
   def head_weight(self):
     """The LM head as a [d, vocab] matrix (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
   def embed_tokens(self, tokens):
+    """tokens [B, T] int32 -> input embeddings [B, T, d] in the compute dtype."""
     return self.embed[...].astype(self.dtype)[tokens]
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, impl="auto", cache=None,
@@ -170,10 +172,12 @@ class ConceptLM(nnx.Module):
 
     valid = C.same_document(segment_ids, k) if cfg.document_mask else None
     x = C.inject_concepts(h, predicted, k, valid=valid, **self.fusion())
-    hidden, out_logits, _ = self.run_decoder(x, enc_states, C.align_to_tokens(con_states, t, k, valid),
-                                             positions, segment_ids, logits)
+    pre_norm, hidden, out_logits, _ = self.run_decoder(x, enc_states, C.align_to_tokens(con_states, t, k, valid),
+                                                       positions, segment_ids, logits)
     aux = {"concepts": c, "predicted": predicted, "quantized": quantized, "codes": codes,
-           "code_logits": code_logits, "ncp_mask": concept_seg[:, :-1] == concept_seg[:, 1:]}
+           "code_logits": code_logits, "ncp_mask": concept_seg[:, :-1] == concept_seg[:, 1:], "pre_norm": pre_norm}
+    if self.nitp_layer:  # NITP's target: a shallow encoder state; its prediction reads the decoder (docs/aux.md)
+      aux["nitp_target_state"] = enc_states[self.nitp_layer - 1]
     return ModelOutput(hidden=hidden, logits=out_logits, aux=aux)
 
   def predict(self, c, positions, segment_ids, sources, impl, cache=None, cache_index=None):
@@ -194,12 +198,12 @@ class ConceptLM(nnx.Module):
 
   def run_decoder(self, x, enc_states, con_states, positions, segment_ids, logits, cache=None, cache_index=None):
     """Token decoder on x = htilde [B, T, d], with the CRC sources aligned to the tokens, then the
-    final norm and LM head -> (hidden, logits or None, the decoder's updated cache)."""
+    final norm and LM head -> (state before the final norm, hidden, logits or None, updated cache)."""
     sources = {"encoder": enc_states, "concept": con_states}
     x, _, cache = self.decoder(x, positions, segment_ids, [sources[r] for r in self.decoder_routes], cache,
                                cache_index)
     hidden = self.final_norm(x)
-    return hidden, hidden @ self.head_weight().astype(self.dtype) if logits else None, cache
+    return x, hidden, hidden @ self.head_weight().astype(self.dtype) if logits else None, cache
 
   # ---------------------------------------------------------------- incremental decoding
   def init_cache(self, batch, length, dtype=None):
@@ -262,7 +266,7 @@ class ConceptLM(nnx.Module):
     keep = lambda: (cache["predicted"], cache["concept_states"], cache["concept"])
     predicted, con_states, concept_cache = jax.lax.cond((index + 1) % k == 0, advance, keep)
     x = C.fuse_concepts(h, predicted, **self.fusion())
-    hidden, out_logits, dec_cache = self.run_decoder(x, enc_states, con_states, positions, segment_ids, logits,
+    _, hidden, out_logits, dec_cache = self.run_decoder(x, enc_states, con_states, positions, segment_ids, logits,
                                                      cache["decoder"], index)
     cache = {"encoder": enc_cache, "concept": concept_cache, "decoder": dec_cache, "chunk": chunk,
              "chunk_states": chunk_states, "predicted": predicted, "concept_states": con_states}

@@ -127,7 +127,8 @@ class BlockStack(nnx.Module):
     self.windows = (num_layers, cfg.window, cfg.full_attention_every)
     self.remat = cfg.remat
 
-  def __call__(self, x, positions, segment_ids, cache=None, cache_index=None):
+  def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, tap=0):
+    """Returns (x, cache, tapped): `tapped` is the state after the first `tap` layers (None if tap=0)."""
     graphdef, state = nnx.split(self.blocks)
 
     def body(x, layer):
@@ -137,8 +138,14 @@ class BlockStack(nnx.Module):
 
     if self.remat:
       body = jax.checkpoint(body, prevent_cse=False)
-    x, cache = jax.lax.scan(body, x, (state, T.layer_windows(*self.windows), cache))
-    return x, cache
+    layers = (state, T.layer_windows(*self.windows), cache)
+    if not tap:
+      x, cache = jax.lax.scan(body, x, layers)
+      return x, cache, None
+    # Layers [0, tap) then [tap, L): the tapped state without storing every layer's output.
+    tapped, head_cache = jax.lax.scan(body, x, jax.tree.map(lambda a: a[:tap], layers))
+    x, tail_cache = jax.lax.scan(body, tapped, jax.tree.map(lambda a: a[tap:], layers))
+    return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head_cache, tail_cache), tapped
 
   def init_cache(self, cfg, batch, length, dtype):
     return kv_cache(cfg, self.num_layers, batch, length, dtype)

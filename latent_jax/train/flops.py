@@ -99,8 +99,28 @@ def measure_matmul_peak(dtype=jnp.float32, n=1024, repeats=5):
   return 2 * n**3 / float(np.median(times))
 
 
-def flops_per_token(model_cfg, seq_len):
-  """Training FLOPs per token of the configured model."""
-  if model_cfg.name == "concept":
-    return 3 * sum(concept_forward_flops(model_cfg, seq_len).values())
-  return baseline_flops_per_token(model_cfg, seq_len)
+def aux_forward_flops(cfg, seq_len):
+  """Forward FLOPs per token of the training-only heads the whole config enables, by head.
+
+  NITP: the SwiGLU projector d -> 4d -> d (the target is a state the model computes anyway).
+  MTP: W (2d -> d), one full-attention block, and the shared LM head's matmul once more.
+  """
+  from latent_jax.config import mtp_enabled, nitp_enabled
+  from latent_jax.ops.transformer import NO_WINDOW
+  m, d = cfg.model, cfg.model.d_model
+  parts = {}
+  if nitp_enabled(cfg) and cfg.nitp.projector:
+    parts["nitp_projector"] = 2 * 3 * d * 4 * d
+  if mtp_enabled(cfg):
+    parts["mtp"] = 2 * 2 * d * d + block_flops_per_token(m, seq_len, NO_WINDOW) + 2 * d * m.vocab_size
+  return parts
+
+
+def flops_per_token(cfg, seq_len):
+  """Training FLOPs per token: of the model alone (pass `cfg.model`), or, given the whole config,
+  with the NITP / MTP heads it enables (as `build_model` builds them)."""
+  whole = cfg if "model" in cfg else None
+  m = whole.model if whole else cfg
+  model = 3 * sum(concept_forward_flops(m, seq_len).values()) if m.name == "concept" else \
+      baseline_flops_per_token(m, seq_len)
+  return model + (3 * sum(aux_forward_flops(whole, seq_len).values()) if whole else 0)

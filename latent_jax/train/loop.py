@@ -40,12 +40,12 @@ def train(cfg, workdir):
   val_bytes = steps.scored_bytes(val_batches, data.tokenizer.token_bytes)
 
   # Model and state shardings (every phase's optimiser state has the same structure).
-  graphdef, abstract_params = steps.abstract_model(cfg.model)
+  graphdef, abstract_params = steps.abstract_model(cfg)  # with the training-only heads (NITP, MTP)
   axes = steps.axes_tree(abstract_params)
   tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   abstract_state = checkpoint.abstract_like(
-      jax.eval_shape(lambda: steps.init_state(cfg.model, cfg.train.seed, tx, shardings)), shardings)
+      jax.eval_shape(lambda: steps.init_state(cfg, cfg.train.seed, tx, shardings)), shardings)
 
   # Resume from the latest checkpoint in the workdir; in a TST run, from the phase-1 result
   # (WORKDIR/phase1, kept apart from max_to_keep) if phase 1 finished after that checkpoint.
@@ -136,7 +136,7 @@ def train(cfg, workdir):
 def enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, train_iter):
   """The train state at `step`: fresh at 0, a checkpoint inside the phase, or TST's switch."""
   if step == 0:
-    return steps.init_state(cfg.model, cfg.train.seed, tx, shardings)
+    return steps.init_state(cfg, cfg.train.seed, tx, shardings)
   if step > phase.start:
     state, _ = ckpt.restore(step, abstract_state, train_iter)
     print(f"resumed from {ckpt.path(step)}")

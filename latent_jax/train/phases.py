@@ -61,16 +61,16 @@ class Phase:
             f"{self.flops_per_step / self.tokens_per_step / 1e6:.2f} MFLOPs per data token")
 
 
-def step_flops(model_cfg, batch_size, positions):
-  """Training FLOPs of one step over `batch_size` rows of `positions` model positions."""
-  return batch_size * positions * flops.flops_per_token(model_cfg, positions)
+def step_flops(cfg, batch_size, positions):
+  """Training FLOPs of one step over `batch_size` rows of `positions` model positions (cfg: as flops_per_token)."""
+  return batch_size * positions * flops.flops_per_token(cfg, positions)
 
 
 def plan(cfg):
   """The run's phases, in order."""
   n, b, length, seed = cfg.train.steps, cfg.data.batch_size, cfg.data.seq_len, cfg.train.seed
   ntp = objectives.objective_for(cfg)
-  plain_flops = step_flops(cfg.model, b, length)
+  plain_flops = step_flops(cfg, b, length)
   if not tst_enabled(cfg):
     return [Phase(None, 0, n, length, length, seed, ntp, n, 0, False, False, b * length, plain_flops)]
 

@@ -20,6 +20,7 @@ RULES = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
+    "mtp_concat": None,  # MTP's [2d, d] input projection: its output dim takes fsdp as "embed"
 }
 
 

@@ -22,9 +22,9 @@ def axes_tree(state):
   return {k: axes_tree(v) for k, v in state.items()}
 
 
-def abstract_model(model_cfg):
-  """(graphdef, abstract param state) of the model, allocating nothing."""
-  return nnx.split(nnx.eval_shape(lambda: build_model(model_cfg, nnx.Rngs(0))))
+def abstract_model(cfg):
+  """(graphdef, abstract param state) of the model, allocating nothing (cfg: as build_model takes it)."""
+  return nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
 
 
 def state_shardings(abstract_params, tx, mesh):
@@ -54,10 +54,10 @@ def dict_keys(path):
   return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
-def init_state(model_cfg, seed, tx, shardings):
+def init_state(cfg, seed, tx, shardings):
   """Initialise params and optimiser state directly into their shardings (jit out_shardings)."""
   def init():
-    params = nnx.to_pure_dict(nnx.state(build_model(model_cfg, nnx.Rngs(seed))))
+    params = nnx.to_pure_dict(nnx.state(build_model(cfg, nnx.Rngs(seed))))
     return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
   return jax.jit(init, out_shardings=shardings)()
 
