@@ -237,9 +237,6 @@ def validate_aux(cfg):
     check(cfg.mtp.weight >= 0, "mtp.weight", f"the loss weight must be >= 0, got {cfg.mtp.weight}.")
     check(cfg.data.seq_len >= 3, "data.seq_len", f"{cfg.data.seq_len} is too short for MTP, which predicts "
           "token t+2; use at least 3.")
-  if tst_enabled(cfg):
-    check(not (nitp_enabled(cfg) or mtp_enabled(cfg)), "tst.enabled",
-          "TST does not combine with nitp/mtp yet; set tst.enabled=False or nitp.enabled=mtp.enabled=False.")
 
 
 NCP_FIELDS = ("encoder_layers", "concept_layers", "decoder_layers", "chunk_size", "num_segments", "codebook_size",

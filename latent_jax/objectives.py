@@ -47,10 +47,11 @@ def ntp_terms(model, out, batch, cfg):
   return total, metrics
 
 
-def auxiliary_terms(model, out, batch, cfg):
+def auxiliary_terms(model, out, batch, cfg, mtp=True):
   """NITP and MTP terms of a forward pass `out` (docs/aux.md), for either model.
 
   Returns (their weighted sum, metrics with `nitp_loss` / `mtp_loss`); (0, {}) when both are off.
+  `mtp=False` leaves MTP out (TST's bag phase, where it has no meaning).
   """
   total, metrics = 0.0, {}
   if nitp_enabled(cfg):  # L_NITP = 1 - cos(P(h_t), sg(z_{t+1})), z = state after layer k
@@ -61,7 +62,7 @@ def auxiliary_terms(model, out, batch, cfg):
     metrics["nitp_loss"] = A.nitp_loss(pred, out.aux["nitp_target_state"], mask, n.loss, n.alignment,
                                        n.stop_gradient)
     total = total + n.weight * metrics["nitp_loss"]
-  if mtp_enabled(cfg):  # CE of x_{t+2} from MTPBlock(h_t, Emb(x_{t+1})) through the shared LM head
+  if mtp and mtp_enabled(cfg):  # CE of x_{t+2} from MTPBlock(h_t, Emb(x_{t+1})) through the shared LM head
     hidden = model.mtp(out.aux["pre_norm"], model.embed_tokens(A.next_tokens(batch["inputs"])),
                        batch["positions"], batch["segment_ids"])
     labels = A.mtp_targets(batch["targets"], batch["segment_ids"])
@@ -116,9 +117,12 @@ def tst_objective(model, batch, cfg):
                 logits=False, embeddings=bags)
     labels = sup.next_bag_targets(batch["targets"], s)
     labels = labels if t.superpose == "both" else labels[..., :1]
+    # NITP over bags: bag j predicts the shallow state of bag j+1. MTP has no bag form.
+    aux_batch = {"targets": labels[..., 0], "segment_ids": sup.bag_segments(batch["segment_ids"], s)}
   else:
     out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
     labels = sup.next_token_bags(batch["targets"], s)
+    aux_batch = batch
   ce, lse = sup.multihot_cross_entropy(out.hidden, model.head_weight().astype(out.hidden.dtype), labels,
                                        cfg.kernels.impl, return_lse=True)
   mask = jnp.any(labels >= 0, axis=-1).astype(jnp.float32)
@@ -127,8 +131,10 @@ def tst_objective(model, batch, cfg):
   if cfg.train.z_loss:
     metrics["z_loss"] = z_loss(lse, mask)
     total = total + cfg.train.z_loss * metrics["z_loss"]
-  metrics["total_loss"] = total
-  return total, metrics
+  aux_total, aux_metrics = auxiliary_terms(model, out, aux_batch, cfg, mtp=aux_batch is batch)
+  metrics.update(aux_metrics)
+  metrics["total_loss"] = total + aux_total
+  return metrics["total_loss"], metrics
 
 
 def eval_sums(model, batch, cfg):

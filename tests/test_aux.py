@@ -308,8 +308,34 @@ def test_bad_settings_name_the_field(path, field, value, words):
   assert words in str(e.value)
 
 
-def test_tst_does_not_combine_with_aux_terms():
-  cfg = load_config(os.path.join(ROOT, "configs", "tiny_tst.py"), TINY_OVERRIDES)
-  cfg.mtp.enabled = True
-  with pytest.raises(ConfigError, match="tst.enabled"):
-    validate(cfg)
+def test_tst_with_nitp_and_mtp():
+  """TST phase 1 scores NITP over bags (bag j predicts the shallow state of bag j+1) and has no MTP;
+  phase 2 is the plain objective with both; phase-1 FLOPs count the projector but not the MTP block."""
+  from latent_jax.objectives import tst_objective
+  from latent_jax.ops import superposition as sup
+  from latent_jax.train import phases
+  cfg = load_config(os.path.join(ROOT, "configs", "tiny_tst.py"),
+                    TINY_OVERRIDES + ["nitp.enabled=True", "mtp.enabled=True", "tst.s=2"])
+  model = build_model(cfg, nnx.Rngs(0))
+  batch = packed_batch(t=12)
+  total, metrics = tst_objective(model, batch, cfg)
+  assert "mtp_loss" not in metrics and "nitp_loss" in metrics
+  np.testing.assert_allclose(total, metrics["loss"] + cfg.nitp.weight * metrics["nitp_loss"], rtol=1e-6)
+  s = cfg.tst.s
+  bags = sup.superpose_embeddings(model.embed_tokens(batch["inputs"]), s)
+  bag_seg = sup.bag_segments(batch["segment_ids"], s)
+  out = model(None, bag_seg, sup.bag_positions(batch["segment_ids"], batch["positions"], s, "bag"),
+              logits=False, embeddings=bags)
+  bag_targets = np.asarray(sup.next_bag_targets(batch["targets"], s)[..., 0])
+  want = ref_nitp(np.asarray(model.nitp_projector(out.hidden)), np.asarray(out.aux["nitp_target_state"]),
+                  bag_targets, np.asarray(bag_seg), "cosine", "next")
+  np.testing.assert_allclose(metrics["nitp_loss"], want, rtol=1e-5)
+
+  phase1, phase2 = phases.plan(cfg)
+  _, metrics2 = phase2.objective(model, batch, cfg)
+  assert {"nitp_loss", "mtp_loss"} <= set(metrics2)
+  no_mtp = cfg.copy_and_resolve_references()
+  no_mtp.mtp.enabled = False
+  rows, positions = cfg.data.batch_size, cfg.data.seq_len
+  assert phase1.flops_per_step == rows * positions * flops.flops_per_token(no_mtp, positions)
+  assert phase2.flops_per_step > phase1.flops_per_step

@@ -81,18 +81,20 @@ def plan(cfg):
     row, positions = length * t.s, length
   else:
     row, positions = length, length // t.s
-  model1 = cfg.model
-  if t.superpose != "output" and t.positions == "token" and model1.window > 0:
-    # Bag positions s tokens apart: a window of w tokens spans about ceil(w / s) bags.
-    model1 = model1.copy_and_resolve_references()
-    model1.window = math.ceil(model1.window / t.s)
+  cfg1 = cfg.copy_and_resolve_references()  # what a phase-1 step computes, for its FLOPs
+  if t.superpose != "output":
+    if "mtp" in cfg1:
+      cfg1.mtp.enabled = False  # objectives.tst_objective: no MTP over bags
+    if t.positions == "token" and cfg1.model.window > 0:
+      # Bag positions s tokens apart: a window of w tokens spans about ceil(w / s) bags.
+      cfg1.model.window = math.ceil(cfg1.model.window / t.s)
   carry_all = t.carry == "all"
   # Phase 1 reads its own shuffle (seed + 1), so that with budget "tokens" it does not read
   # the very rows phase 2 then starts with; phase 2 reads the baseline's batch sequence.
   phase1 = Phase(1, 0, n1, row, positions, seed + 1, objectives.tst_objective,
                  schedule_steps=n if carry_all else n1, schedule_start=0, fresh_optimizer=False,
                  reinit_embeddings=False, tokens_per_step=b * row,
-                 flops_per_step=step_flops(model1, b, positions))
+                 flops_per_step=step_flops(cfg1, b, positions))
   phase2 = Phase(2, n1, n, length, length, seed, ntp,
                  schedule_steps=n if carry_all else n - n1, schedule_start=0 if carry_all else n1,
                  fresh_optimizer=not carry_all, reinit_embeddings=t.reinit_embeddings_at_switch,
