@@ -8,10 +8,9 @@ Writes experiments/results/aux.{md,json,png}: final validation loss per seed, an
 change against its base run beside the papers' (docs/aux.md). `--steps N` shortens every run
 to prove the script works (a smoke test, written to results/aux_smoke.*, not a result).
 """
-import argparse
 import os
 
-from common import RESULTS, budget, run_seeds, summarise, write_results
+from common import RESULTS, arguments, budget, run_seeds, summarise, write_results
 
 RUNS = [  # name, config, overrides, the run it is compared with (run after its own: they are shared)
     ("baseline", "tiny.py", [], None),
@@ -32,12 +31,9 @@ PAPERS = {
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--root", default="runs/experiments")
-  p.add_argument("--seeds", default="0,1")
-  p.add_argument("--steps", type=int, default=0, help="shorten every run to N steps (smoke test)")
+  p = arguments(__doc__)
   args = p.parse_args()
-  seeds = [int(s) for s in args.seeds.split(",")]
+  seeds = args.seeds
   overrides = budget(args.steps)
   order = sorted(RUNS, key=lambda run: run[0] in SHARED)
   runs = {name: run_seeds(name, config, overrides + extra, seeds, args.root) for name, config, extra, _ in order}

@@ -5,17 +5,12 @@
 The spread sets the scale for every method comparison at this size: a difference smaller
 than a few seed standard deviations is not a result. Writes experiments/results/baseline_seeds.*.
 """
-import argparse
-
-from common import run_seeds, summarise, write_results
+from common import arguments, run_seeds, summarise, write_results
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--root", default="runs/experiments")
-  p.add_argument("--seeds", default="0,1,2")
-  args = p.parse_args()
-  seeds = [int(s) for s in args.seeds.split(",")]
+  args = arguments(__doc__, seeds="0,1,2", smoke=False).parse_args()
+  seeds = args.seeds
   runs = {"baseline (configs/tiny.py)": run_seeds("baseline_600", "tiny.py", [], seeds, args.root)}
   table = summarise(runs)
   write_results("baseline_seeds", table, runs,

@@ -5,6 +5,7 @@ resumes where it stopped), then its metrics.jsonl is read back. A finished run i
 again, so experiments that share a run (the tiny baseline, say) train it once; a lock on the
 workdir lets two experiment scripts run side by side.
 """
+import argparse
 import fcntl
 import json
 import os
@@ -26,6 +27,17 @@ def budget(smoke_steps=0):
   """The comparison budget, or with `smoke_steps` a few-step run that only checks the script works."""
   smoke = [f"train.steps={smoke_steps}", "optim.warmup_steps=1", "train.eval_every=2"] if smoke_steps else []
   return [*COMPARISON, *smoke]
+
+
+def arguments(doc, seeds="0,1", smoke=True):
+  """The experiment scripts' shared flags: --root, --seeds (and --steps for a smoke run)."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--root", default="runs/experiments")
+  p.add_argument("--seeds", default=seeds, type=lambda text: [int(s) for s in text.split(",")])
+  if smoke:
+    p.add_argument("--steps", type=int, default=0, help="a smoke run of this many steps (not comparable; "
+                   "use another --root)")
+  return p
 
 
 def run_seeds(name, config, overrides, seeds, root):

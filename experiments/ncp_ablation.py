@@ -8,12 +8,10 @@ variants) for each seed on the embedded corpus at the comparison budget of exper
 (300 steps of 16 x 128 tokens), every run reading the same tokens, and writes
 the final validation NTP loss, FLOPs per token and parameters to experiments/results/ncp_ablation.*.
 """
-import argparse
-
 import jax
 from flax import nnx
 
-from common import CONFIGS, budget, run_seeds, summarise, write_results
+from common import CONFIGS, arguments, budget, run_seeds, summarise, write_results
 from latent_jax import build_model, load_config
 from latent_jax.train import flops
 
@@ -35,13 +33,10 @@ def describe(config):
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--root", default="runs/experiments")
-  p.add_argument("--seeds", default="0,1")
+  p = arguments(__doc__)
   p.add_argument("--rungs", default=DEFAULT_RUNGS)
-  p.add_argument("--steps", type=int, default=0, help="a smoke run of this many steps (not comparable)")
   args = p.parse_args()
-  seeds = [int(s) for s in args.seeds.split(",")]
+  seeds = args.seeds
   overrides = budget(args.steps)
   runs, cost = {}, {}
   for rung in args.rungs.split(","):
@@ -53,7 +48,7 @@ def main():
   columns = {"MFLOPs / token": {r: f"{f / 1e6:.2f} ({f / ref_flops:.3f}x)" for r, (f, _) in cost.items()},
              "params": {r: f"{n / 1e6:.3f}M" for r, (_, n) in cost.items()}}
   write_results("ncp_ablation", table, runs,
-                f"# NCP ablation ladder at tiny size (KJV, 300 steps, configs/ncp_ladder.py, seeds {args.seeds})",
+                f"# NCP ablation ladder at tiny size (KJV, 300 steps, configs/ncp_ladder.py, seeds {','.join(map(str, seeds))})",
                 columns=columns, footer=PAPER)
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")

@@ -10,10 +10,9 @@ embedding and LM head at the switch). Reports the final
 validation NTP loss and the FLOPs and training wall time each run needs to reach the
 baseline's final loss, in experiments/results/tst.*.
 """
-import argparse
 import statistics
 
-from common import budget, cost_to_reach, run_seeds, summarise, wall_seconds, write_results
+from common import arguments, budget, cost_to_reach, run_seeds, summarise, wall_seconds, write_results
 
 # (label, run folder, config, overrides); the baseline last: ncp_ablation.py and aux.py share it.
 RUNS = [
@@ -37,12 +36,9 @@ between evaluations every 25 steps, as a fraction of the baseline's own totals (
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--root", default="runs/experiments")
-  p.add_argument("--seeds", default="0,1")
-  p.add_argument("--steps", type=int, default=0, help="a smoke run of this many steps (not comparable)")
+  p = arguments(__doc__)
   args = p.parse_args()
-  seeds = [int(s) for s in args.seeds.split(",")]
+  seeds = args.seeds
   runs = {}
   for label, folder, config, overrides in RUNS:
     runs[label] = run_seeds(folder, config, [*budget(args.steps), *overrides], seeds, args.root)
@@ -60,7 +56,7 @@ def main():
     if reached:
       flops_col[name] = f"{statistics.mean(f for f, _ in reached) / base_flops:.2f} ({len(reached)}/{len(by_seed)})"
       wall_col[name] = f"{statistics.mean(w for _, w in reached) / base_wall:.2f}"
-  write_results("tst", table, runs, f"# TST vs baseline at equal FLOPs (KJV, 300 steps, configs/tiny_tst.py, seeds {args.seeds})",
+  write_results("tst", table, runs, f"# TST vs baseline at equal FLOPs (KJV, 300 steps, configs/tiny_tst.py, seeds {','.join(map(str, seeds))})",
                 x="flops", footer=PAPER,
                 columns={"FLOPs to reach baseline (seeds)": flops_col, "wall to reach baseline": wall_col})
   for name, (values, mean, spread) in table.items():
