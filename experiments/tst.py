@@ -56,7 +56,8 @@ def main():
     if reached:
       flops_col[name] = f"{statistics.mean(f for f, _ in reached) / base_flops:.2f} ({len(reached)}/{len(by_seed)})"
       wall_col[name] = f"{statistics.mean(w for _, w in reached) / base_wall:.2f}"
-  write_results("tst", table, runs, f"# TST vs baseline at equal FLOPs (KJV, 300 steps, configs/tiny_tst.py, seeds {','.join(map(str, seeds))})",
+  header = f"# TST vs baseline at equal FLOPs (KJV, 300 steps, configs/tiny_tst.py, seeds {','.join(map(str, seeds))})"
+  write_results("tst", table, runs, header,
                 x="flops", footer=PAPER,
                 columns={"FLOPs to reach baseline (seeds)": flops_col, "wall to reach baseline": wall_col})
   for name, (values, mean, spread) in table.items():
