@@ -49,10 +49,10 @@ def _reset_peak_rss() -> None:
     f.write("5")
 
 
-def _inputs(n, d, vocab):
+def _inputs(n, d, vocab, dtype="float32"):
   k = jax.random.split(jax.random.key(0), 3)
-  hidden = jax.random.normal(k[0], (n, d), jnp.float32)
-  weight = jax.random.normal(k[1], (d, vocab), jnp.float32) * d**-0.5
+  hidden = jax.random.normal(k[0], (n, d)).astype(dtype)
+  weight = (jax.random.normal(k[1], (d, vocab)) * d**-0.5).astype(dtype)
   labels = jax.random.randint(k[2], (n, 1), 0, vocab)
   return hidden, weight, labels
 
@@ -75,9 +75,9 @@ def _compile(spec, args):
   return compiled, time.perf_counter() - t
 
 
-def worker(spec, n, d, vocab):
+def worker(spec, n, d, vocab, dtype):
   """Subprocess body: compile and run once, report peak RSS above the inputs' baseline."""
-  args = _inputs(n, d, vocab)
+  args = _inputs(n, d, vocab, dtype)
   jax.block_until_ready(args)
   _reset_peak_rss()
   base = _status_mib("VmRSS")
@@ -88,17 +88,17 @@ def worker(spec, n, d, vocab):
                         compile_s=compile_s)))
 
 
-def measure_memory(spec, n, d, vocab):
+def measure_memory(spec, n, d, vocab, dtype):
   cmd = [sys.executable, "-m", "benchmarks.cross_entropy", "--worker", spec,
-         "--n", str(n), "--d", str(d), "--vocab", str(vocab)]
+         "--n", str(n), "--d", str(d), "--vocab", str(vocab), "--dtype", dtype]
   out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.getcwd())
   if out.returncode != 0:  # e.g. killed for memory: say so instead of inventing a number
     return dict(spec=spec, error=f"rc={out.returncode}: {out.stderr.strip()[-300:]}")
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure_time(specs, n, d, vocab, reps):
-  args = _inputs(n, d, vocab)
+def measure_time(specs, n, d, vocab, reps, dtype):
+  args = _inputs(n, d, vocab, dtype)
   compiled = {s: _compile(s, args)[0] for s in specs}
   wall, cpu = {s: [] for s in specs}, {s: [] for s in specs}
   for r in range(reps + 1):  # round 0 is the warm-up
@@ -118,6 +118,8 @@ def main():
   p.add_argument("--case", default="all", choices=["all", *CASES])
   p.add_argument("--impls", default="naive,xla", help="comma list of name[:chunk][+z]")
   p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                 help="of hidden and weight (the loss is fp32 either way)")
   p.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
   p.add_argument("--no-time", action="store_true", help="only the RSS subprocesses")
   p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -126,25 +128,25 @@ def main():
   p.add_argument("--vocab", type=int)
   a = p.parse_args()
   if a.worker:
-    return worker(a.worker, a.n, a.d, a.vocab)
+    return worker(a.worker, a.n, a.d, a.vocab, a.dtype)
   specs = a.impls.split(",")
   cases = CASES if a.case == "all" else {a.case: CASES[a.case]}
   if a.n:  # a custom shape instead of the named cases
     cases = {"custom": (a.n, a.d, a.vocab)}
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, "
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {a.dtype}, {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f}")
   print("| case (n, d, V) | impl | wall s | wall / naive | CPU s | CPU / naive | temp MiB "
         "| peak RSS - inputs MiB |")
   print("|---|---|---|---|---|---|---|---|")
   for name, (n, d, vocab) in cases.items():
-    mem = {} if a.no_memory else {s: measure_memory(s, n, d, vocab) for s in specs}
+    mem = {} if a.no_memory else {s: measure_memory(s, n, d, vocab, a.dtype) for s in specs}
     if a.no_time:
       for s, m in mem.items():
         rss = f"{m['peak_rss'] - m['base_rss']:.0f}" if "peak_rss" in m else m["error"]
         print(f"| {name} ({n}, {d}, {vocab}) | {s} | - | - | - | - "
               f"| {m.get('temp', 0):.0f} | {rss} |")
       continue
-    wall, cpu, temps = measure_time(specs, n, d, vocab, a.reps)
+    wall, cpu, temps = measure_time(specs, n, d, vocab, a.reps, a.dtype)
     for s in specs:
       m = mem.get(s, {})
       rss = f"{m['peak_rss'] - m['base_rss']:.0f}" if "peak_rss" in m else m.get("error", "-")
