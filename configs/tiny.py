@@ -44,6 +44,7 @@ def get_config():
   c.train.checkpoint_every = 200
   c.train.keep_checkpoints = 2
   c.train.peak_flops = 0.0             # per device; 0 = known for the device kind, or measured on CPU
+  c.train.init_from = ""               # a workdir or export whose params start a fresh run (fine-tuning, VQ adaptation)
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adamw"               # adamw | muon
@@ -57,6 +58,7 @@ def get_config():
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.1
   c.optim.clip_norm = 1.0
+  c.optim.trainable = "all"            # all | vq (codebook + concept heads) | a regex over parameter paths
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                     # -1: all devices left over

@@ -7,6 +7,7 @@ import ast
 import importlib.util
 import inspect
 import os
+import re
 import sys
 
 import ml_collections
@@ -133,6 +134,18 @@ def validate(cfg):
   check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}.")
   check(0 < o.decay_fraction <= 1, "optim.decay_fraction", f"must lie in (0, 1], got {o.decay_fraction}.")
   check(o.clip_norm >= 0 and o.weight_decay >= 0, "optim.clip_norm/weight_decay", "must be >= 0 (0 = off).")
+  trainable = o.get("trainable", "all")
+  check(isinstance(trainable, str) and trainable.strip() != "", "optim.trainable",
+        "is empty; use 'all', 'vq' or a regex over parameter paths such as 'codebook|heads'.")
+  if trainable == "vq":
+    check(m.name == "concept", "optim.trainable",
+          f"'vq' trains the codebook and concept heads, which model.name={m.name!r} does not have; use 'all'.")
+  elif trainable != "all":
+    try:
+      re.compile(trainable)
+    except re.error as e:
+      raise ConfigError(f"optim.trainable: {trainable!r} is not a valid regex ({e}).") from None
+  check(isinstance(t.get("init_from", ""), str), "train.init_from", "must be a path ('' = a fresh model).")
 
   for axis in ("data", "fsdp", "tensor"):
     size = cfg.mesh[axis]

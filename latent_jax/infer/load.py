@@ -42,17 +42,65 @@ def load_config(directory, step=None):
   return checkpoint.config_from_json(manager.restore_meta(step)["config"]), step
 
 
+def saved_params(directory, cfg, step=None, shardings=None):
+  """Every parameter the checkpoint (or export) holds, training-only heads included; placed by
+  `shardings` ({"a/b/c": sharding}) where given."""
+  _, saved = steps.abstract_model(cfg)
+  shardings = shardings or {}
+  target = jax.tree_util.tree_map_with_path(
+      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(path_name(p))),
+      nnx.to_pure_dict(saved))
+  if is_export(directory):
+    return ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")), target)
+  manager, step = find_checkpoint(directory, step)
+  return manager.restore_params(step, target)
+
+
 def load_params(directory, cfg, step=None):
   """(graphdef, params) of the inference model: training-only heads (NITP, MTP) are dropped."""
-  _, saved = steps.abstract_model(cfg)  # what the checkpoint holds, heads included
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(saved))
-  if is_export(directory):
-    params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")), target)
-  else:
-    manager, step = find_checkpoint(directory, step)
-    params = manager.restore_params(step, target)
+  params = saved_params(directory, cfg, step)
   graphdef, abstract = steps.abstract_model(cfg.model)
   return graphdef, keep_like(params, nnx.to_pure_dict(abstract))
+
+
+def check_init_from(directory, cfg, params):
+  """(source config, step) of train.init_from = `directory`, once every parameter of `params`
+  (this run's, arrays or abstract) is known to be there with its shape: anything but a
+  training-only head (NITP, MTP) that the source lacks means the models differ, an error."""
+  if not (is_export(directory) or any(os.path.isdir(os.path.join(directory, sub)) for sub in ("checkpoints", "phase1"))):
+    raise FileNotFoundError(f"train.init_from: {directory!r} is neither a training workdir with checkpoints nor "
+                            "an export folder; give a run's --workdir or a `python -m latent_jax.export` folder.")
+  source_cfg, step = load_config(directory)
+  source = by_path(nnx.to_pure_dict(steps.abstract_model(source_cfg)[1]))
+  inference = by_path(nnx.to_pure_dict(steps.abstract_model(cfg.model)[1]))
+  for name, x in by_path(params).items():
+    if name not in source and name in inference:
+      raise ValueError(f"train.init_from: {directory} has no parameter {name!r}; its model config differs from "
+                       f"this run's (source model.name={source_cfg.model.name!r}); start from a run of the same model.")
+    if name in source and source[name].shape != x.shape:
+      raise ValueError(f"train.init_from: parameter {name!r} is {source[name].shape} in {directory} but {x.shape} "
+                       "here; the model configs differ, copy the source's model section.")
+  return source_cfg, step
+
+
+def initial_params(directory, cfg, fresh):
+  """The params a run starts from with train.init_from = `directory`: each of `fresh` (this run's
+  initialised params) replaced by the source's, in fresh's dtype and sharding, except
+  training-only heads the source was trained without, which keep their fresh init."""
+  source_cfg, step = check_init_from(directory, cfg, fresh)
+  placed = {name: x.sharding for name, x in by_path(fresh).items()}
+  source = by_path(saved_params(directory, source_cfg, step, placed))
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: source[path_name(p)].astype(x.dtype) if path_name(p) in source else x, fresh)
+
+
+def path_name(path):
+  return "/".join(str(k.key) for k in path)
+
+
+def by_path(tree):
+  """{"a/b/c": leaf} of a nested dict."""
+  return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def keep_like(tree, like):

@@ -4,19 +4,22 @@ A plain run has one phase; a TST run two (train/phases.py, docs/tst.md).
 """
 import math
 import os
+import shutil
 import signal
 import time
 
 import jax
 import numpy as np
 import tqdm
+from flax import nnx
 
 from latent_jax.config import validate
-from latent_jax.data import build_data, make_train_iterator, make_val_batches
+from latent_jax.data import TOKENIZER_FILENAME, build_data, make_train_iterator, make_val_batches
+from latent_jax.infer import load
 from latent_jax.train import checkpoint, flops, phases, sharding
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter
-from latent_jax.train.optim import build_optimizer
+from latent_jax.train.optim import build_optimizer, trainable_mask
 
 
 class NonFiniteLoss(RuntimeError):
@@ -29,6 +32,8 @@ def train(cfg, workdir):
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh)
+  if cfg.train.get("init_from"):
+    adopt_source(cfg, workdir)
 
   # Data: corpus -> tokenizer (trained once, then reused) -> packed windows. Each phase opens
   # its own train iterator (TST phase 1 reads longer rows); validation is always plain NTP.
@@ -60,7 +65,9 @@ def train(cfg, workdir):
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
   peak *= jax.device_count()
   writer = MetricsWriter(workdir, step)
-  print(f"{param_count(abstract_params) / 1e6:.2f}M params, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
+  trains = jax.tree.leaves(trainable_mask(axes, cfg.optim.get("trainable", "all")))
+  trainable = "" if all(trains) else f" ({sum(int(np.prod(x.shape)) for x, t in zip(jax.tree.leaves(abstract_params), trains) if t) / 1e6:.3f}M trainable)"
+  print(f"{param_count(abstract_params) / 1e6:.2f}M params{trainable}, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
         f"train {data.train_tokens.size:,} tokens, val {data.val_tokens.size:,} tokens, "
         f"unigram entropy {data.unigram_entropy:.3f} nats/token")
 
@@ -136,7 +143,11 @@ def train(cfg, workdir):
 def enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, train_iter):
   """The train state at `step`: fresh at 0, a checkpoint inside the phase, or TST's switch."""
   if step == 0:
-    return steps.init_state(cfg, cfg.train.seed, tx, shardings)
+    state = steps.init_state(cfg, cfg.train.seed, tx, shardings)
+    if cfg.train.get("init_from"):
+      state["params"] = load.initial_params(cfg.train.init_from, cfg, state["params"])
+      print(f"params from {cfg.train.init_from}")
+    return state
   if step > phase.start:
     state, _ = ckpt.restore(step, abstract_state, train_iter)
     print(f"resumed from {ckpt.path(step)}")
@@ -150,6 +161,15 @@ def enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, t
   if phase.reinit_embeddings:
     state = phases.reinit_embeddings(state, cfg.model, cfg.train.seed, shardings)
   return state
+
+
+def adopt_source(cfg, workdir):
+  """train.init_from: check, before anything compiles, that the source has every parameter of
+  this model; and read its token ids (copy its tokenizer) unless data.tokenizer says otherwise."""
+  source_cfg, _ = load.check_init_from(cfg.train.init_from, cfg, nnx.to_pure_dict(steps.abstract_model(cfg)[1]))
+  target = os.path.join(workdir, TOKENIZER_FILENAME)
+  if not cfg.data.tokenizer and not os.path.exists(target):
+    shutil.copy(load.load_tokenizer(cfg.train.init_from, source_cfg).path, target)
 
 
 def param_count(abstract_params):

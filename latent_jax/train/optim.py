@@ -1,7 +1,15 @@
 """Optimisers (AdamW; Muon for hidden matrices with AdamW for the rest), schedules and masks."""
+import re
+
 import jax
 import optax
 from optax.contrib import MuonDimensionNumbers
+
+from latent_jax.config import ConfigError
+
+# Named values of optim.trainable. "vq": the NCP paper's VQ adaptation (Sec. 5.1), which trains
+# only the codebook and the concept prediction heads (with the norm in front of them).
+TRAINABLE_PRESETS = {"vq": r"codebook|heads|head_norm/.*"}
 
 
 def learning_rate_schedule(o, steps):
@@ -30,22 +38,48 @@ def decays(axes):
   return len(axes) >= 2 and tuple(axes) != ("vocab", "embed")
 
 
+def is_axes(x):
+  return isinstance(x, tuple)
+
+
+def trainable_mask(axes, trainable):
+  """True for each parameter that trains: optim.trainable is "all", a preset name
+  (TRAINABLE_PRESETS) or a regex matched against whole "a/b/c" parameter paths."""
+  paths = jax.tree_util.tree_map_with_path(lambda p, _: "/".join(str(k.key) for k in p), axes, is_leaf=is_axes)
+  if trainable == "all":
+    return jax.tree.map(lambda _: True, paths)
+  pattern = re.compile(TRAINABLE_PRESETS.get(trainable, trainable))
+  mask = jax.tree.map(lambda path: pattern.fullmatch(path) is not None, paths)
+  if not any(jax.tree.leaves(mask)):
+    names = ", ".join(sorted(jax.tree.leaves(paths))[:8])
+    raise ConfigError(f"optim.trainable: {trainable!r} matches no parameter of this model; it is matched against "
+                      f"whole paths such as {names}, ...; use 'all' to train everything.")
+  return mask
+
+
 def build_optimizer(o, steps, axes):
-  """optax transformation for params whose logical axes are the tree `axes` (tuples as leaves)."""
+  """optax transformation for params whose logical axes are the tree `axes` (tuples as leaves).
+
+  Parameters outside optim.trainable get no update and no optimiser state.
+  """
   schedule = learning_rate_schedule(o, steps)
-  is_axes = lambda x: isinstance(x, tuple)
   wd_mask = jax.tree.map(decays, axes, is_leaf=is_axes)
-  adamw = optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=wd_mask)
-  if o.name == "adamw":
-    tx = adamw
-  else:
-    labels = jax.tree.map(lambda a: "muon" if is_matrix(a) else "adam", axes, is_leaf=is_axes)
+  transforms = {"adam": optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                                    mask=wd_mask),
+                "frozen": optax.set_to_zero()}
+  if o.name == "muon":
     # Orthogonalise the last two dims; a leading stacked-layer dim is a batch dim, so
     # Newton-Schulz runs per layer. consistent_rms=0.2 is Moonlight's 0.2*sqrt(max(din, dout)).
     dims = lambda params: jax.tree.map(lambda p: MuonDimensionNumbers(p.ndim - 2, p.ndim - 1), params)
-    muon = optax.contrib.muon(schedule, beta=0.95, weight_decay=o.weight_decay, weight_decay_mask=None,
-                              muon_weight_dimension_numbers=dims, consistent_rms=0.2)
-    tx = optax.partition({"muon": muon, "adam": adamw}, labels)
+    transforms["muon"] = optax.contrib.muon(schedule, beta=0.95, weight_decay=o.weight_decay, weight_decay_mask=None,
+                                            muon_weight_dimension_numbers=dims, consistent_rms=0.2)
+  labels = jax.tree.map(lambda a, train: ("muon" if o.name == "muon" and is_matrix(a) else "adam") if train
+                        else "frozen", axes, trainable_mask(axes, o.get("trainable", "all")), is_leaf=is_axes)
+  used = set(jax.tree.leaves(labels))
+  if used == {"adam"}:
+    tx = transforms["adam"]  # the plain AdamW state, as checkpoints of earlier runs hold it
+  else:
+    tx = optax.partition({k: v for k, v in transforms.items() if k in used}, labels)
   if o.clip_norm > 0:
     tx = optax.chain(optax.clip_by_global_norm(o.clip_norm), tx)
   return tx, schedule

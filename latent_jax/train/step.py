@@ -13,6 +13,7 @@ from flax import nnx
 from latent_jax import objectives
 from latent_jax.nn import build_model
 from latent_jax.train import sharding
+from latent_jax.train.optim import trainable_mask
 
 
 def axes_tree(state):
@@ -63,8 +64,13 @@ def init_state(cfg, seed, tx, shardings):
 
 
 def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_objective):
+  trains = trainable_mask(shardings["params"], cfg.optim.get("trainable", "all"))
+
   def train_step(state, batch):
     def loss_fn(params):
+      # Parameters outside optim.trainable are constants here, so XLA computes no weight
+      # gradients for them (activation gradients still flow through them).
+      params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, trains)
       return objective(nnx.merge(graphdef, params), batch, cfg)
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])

@@ -1,0 +1,20 @@
+"""VQ adaptation of a trained tiny ConceptLM (NCP paper Sec. 5.1, Tables 5-7; docs/ncp.md).
+
+Only the PQ codebook and the concept prediction heads train (`optim.trainable = "vq"`); the
+encoder, concept module, decoder, embeddings and LM head stay as the source run left them.
+Point `train.init_from` at that run (a workdir or an export) and `data.source` at the domain:
+
+  python -m latent_jax.train --config configs/tiny_ncp_adapt.py --workdir runs/adapt \\
+      --config.train.init_from=runs/ncp --config.data.source=my_domain/
+
+The paper gives no adaptation hyperparameters; these are a short, constant-rate run.
+"""
+import tiny_ncp  # configs load with their own folder on sys.path
+
+
+def get_config():
+  c = tiny_ncp.get_config()
+  c.optim.trainable = "vq"
+  c.optim.update(lr=1e-3, schedule="constant", warmup_steps=10, weight_decay=0.0)
+  c.train.update(steps=200, eval_every=50, checkpoint_every=100)
+  return c
