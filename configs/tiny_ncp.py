@@ -35,9 +35,14 @@ def add_ncp(c):
   c.ncp = ml_collections.ConfigDict()
   # paper (Eq. 21-22, the default) | algorithm1 (NCP / S) | released (elementwise means).
   c.ncp.reduction = "paper"
-  # The paper gives no alpha, beta. Eq. 22 sums squared errors over d dims and Eq. 21 over d/S,
-  # so weights 1/d and S/d give both terms per-dimension scale, as the released code's
-  # elementwise means have (docs/ncp.md). Overriding d_model or S? Override these too.
+  return per_dimension_weights(c)
+
+
+def per_dimension_weights(c):
+  """alpha = 1/d, beta = S/d. The paper gives no alpha, beta; Eq. 22 sums squared errors over d
+  dims and Eq. 21 over d/S, so these give both terms per-dimension scale, as the released
+  code's elementwise means have (docs/ncp.md). Call again after changing d_model or S; a
+  command-line override of either must override ncp.alpha and ncp.beta too."""
   c.ncp.alpha = 1.0 / c.model.d_model  # weight of L_NCP (Eq. 24)
   c.ncp.beta = c.model.num_segments / c.model.d_model  # weight of L_VQ
   return c

@@ -143,11 +143,14 @@ def test_cross_module_residual():
 
 def test_codebook_usage():
   codes = rng.integers(0, 6, size=(2, 7, 3))
+  codes[..., 1] = np.minimum(codes[..., 1], 2)  # one segment uses at most 3 codes
   got = C.codebook_usage(jnp.asarray(codes), 8)
   counts = np.stack([np.bincount(codes[..., s].ravel(), minlength=8) for s in range(3)])
   p = counts / counts.sum(-1, keepdims=True)
   ppl = np.exp(-np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1))
   np.testing.assert_allclose(got["code_usage"], np.mean(counts > 0), rtol=1e-6)
+  np.testing.assert_allclose(got["code_usage_min"], (counts[1] > 0).mean(), rtol=1e-6)
+  assert (counts[1] > 0).mean() == np.min((counts > 0).mean(-1)) < np.mean(counts > 0)
   np.testing.assert_allclose(got["code_perplexity"], ppl.mean(), rtol=1e-5)
   np.testing.assert_allclose(got["dead_codes"], np.mean((counts == 0).sum(-1)), rtol=1e-6)
 
@@ -241,6 +244,20 @@ def test_documents_do_not_see_each_other(small):
   np.testing.assert_allclose(packed[:, 8:], alone[:, :6], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("start", [5, 6, 7])
+def test_documents_do_not_see_each_other_mid_chunk(small, start):
+  """A document that starts inside a chunk (k=4; chunks stay on the row's grid): its logits do
+  not depend on the document before it, although one chunk holds tokens of both."""
+  _, forward, params = small
+  r = np.random.default_rng(start)
+  a, b = r.integers(0, 64, size=(2, start)), r.integers(0, 64, size=(2, 14 - start))
+  seg, pos = [[1] * start + [2] * (14 - start)] * 2, [list(range(start)) + list(range(14 - start))] * 2
+  packed = forward(params, np.concatenate([a, b], 1), seg, pos)
+  other = forward(params, np.concatenate([(a + 7) % 64, b], 1), seg, pos)
+  np.testing.assert_array_equal(np.asarray(other.logits[:, start:]), np.asarray(packed.logits[:, start:]))
+  assert not np.allclose(other.logits[:, :start], packed.logits[:, :start])
+
+
 def test_residuals_at_init_are_the_plain_model(small, monkeypatch):
   """At init IRC (w2 = 0) is the standard residual stack and CRC adds D * mix with D = crc_scale_init;
   with D = 0 the whole model is the plain hierarchy (compared with its NumPy re-derivation)."""
@@ -318,6 +335,26 @@ def test_bad_settings_name_the_field(field, value, words):
   assert words in str(e.value)
 
 
+def test_model_and_pure_functions_refuse_bad_input():
+  """Past the config check: a model built from a hand-made config, a short sequence, a mode typo."""
+  cfg = small_cfg().model
+  bad = cfg.copy_and_resolve_references()
+  bad.num_segments = 6
+  with pytest.raises(ValueError, match=r"model.num_segments=6 does not divide model.d_model=16"):
+    build_model(bad, nnx.Rngs(0))
+  model = build_model(cfg, nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"3 tokens holds no complete chunk of model.chunk_size=4"):
+    model(jnp.zeros((1, 3), jnp.int32))
+  x = jnp.zeros((1, 8, 4))
+  for call, words in [(lambda: C.concept_positions(jnp.zeros((1, 8), jnp.int32), 4, "chunk"), "concept_positions='chunk'"),
+                      (lambda: C.fuse_concepts(x, x, fusion="concat"), "fusion='concat'"),
+                      (lambda: C.ncp_loss(x, x, 2, reduction="sum"), "reduction='sum'"),
+                      (lambda: C.vq_loss(x, x, 2, reduction="sum"), "reduction='sum'"),
+                      (lambda: C.mix_codebook(jnp.zeros((1, 2, 3)), jnp.zeros((2, 3, 2)), mode="softmx"), "mixing='softmx'")]:
+    with pytest.raises(ValueError, match=words):
+      call()
+
+
 def test_flops_give_the_papers_block_ratios():
   """Table 2: 16/8/16 with k=4 costs ~(16 + 8/4 + 16) = 34 blocks per token, vs 32, 34, 40."""
   ncp = load_config(os.path.join(CONFIGS, "ncp_archpreview_8b.py")).model
@@ -329,9 +366,14 @@ def test_flops_give_the_papers_block_ratios():
   assert blocks / vanilla[32] == pytest.approx(34 / 32, rel=0.01)
   assert blocks / vanilla[34] == pytest.approx(1.0, rel=0.01)
   assert blocks / vanilla[40] == pytest.approx(0.85, rel=0.01)
-  # The concept module runs once per chunk: C blocks over M = T/k positions, per token / k.
-  assert parts["concept"] == pytest.approx((flops.stack_flops_per_token(ncp, 8, seq // 4)
-                                            + flops.residual_flops_per_position(ncp, 8, (16,))) / 4)
+  # By hand: the concept module runs once per chunk, C=8 blocks over M = T/k = 2048 positions
+  # (its 4096-concept window covers them all), plus IRC over 9 states and the Encoder->Concept
+  # CRC over 16 encoder depths; per token that is 1/k of it.
+  d, f, r, m = 4096, 11_008, ncp.residual_hidden, seq // 4
+  block = 2 * (4 * d * d + 3 * d * f) + 4 * d * (m + 1) / 2  # q, k, v, o, SwiGLU; causal q k^T and p v
+  irc = 8 * (2 * d * r + 2 * r * 9 + 2 * 9 * d)
+  crc = 8 * (2 * d * r + 2 * r * 16 + 2 * 16 * d)
+  assert parts["concept"] == pytest.approx((8 * block + irc + crc) / 4)
   assert parts["heads"] == 2 * 4096 * 32 * 128 / 4 and parts["codebook"] == 2 * 2 * 128 * 4096 / 4
   total = flops.flops_per_token(ncp, seq)
   base.num_layers = 40
@@ -349,7 +391,18 @@ def test_archpreview_8b_parameter_count():
   assert state["codebook"].shape == (32, 128, 128) and int(np.prod(state["codebook"].shape)) == 524_288
   assert round(total / 1e9, 2) == 8.94
   assert total == 8_939_886_208
+  # alpha = 1/d and beta = S/d at the 8B sizes, not at the tiny ones the recipe starts from
+  assert cfg.ncp.alpha == 1 / 4096 and cfg.ncp.beta == 32 / 4096
   assert state["embed"].dtype == jnp.bfloat16 and "lm_head" in state  # bf16, untied
+
+
+def test_olmo3_7b_parameter_count():
+  """By hand: untied embedding and LM head, then per layer q, k, v, o (32 heads of 128 = d), a
+  SwiGLU MLP and four norms of d (attention, MLP, and layer-wide q and k norms), a final norm."""
+  cfg = load_config(os.path.join(CONFIGS, "olmo3_7b.py"))
+  total, _ = count(cfg)
+  v, d, mlp, layers = 100_278, 4096, 11_008, 32
+  assert total == 2 * v * d + layers * (4 * d * d + 3 * d * mlp + 4 * d) + d == 7_298_011_136
 
 
 def test_tiny_ncp_trains_and_logs_every_term(tmp_path, corpus_dir):
@@ -363,7 +416,8 @@ def test_tiny_ncp_trains_and_logs_every_term(tmp_path, corpus_dir):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in rows] == [1, 2, 3]
   for r in rows:
-    for name in ("loss", "ncp_loss", "vq_loss", "code_usage", "code_perplexity", "dead_codes", "total_loss"):
+    for name in ("loss", "ncp_loss", "vq_loss", "code_usage", "code_usage_min", "code_perplexity", "dead_codes",
+                 "total_loss"):
       assert np.isfinite(r[name]), (name, r)
     assert r["total_loss"] == pytest.approx(r["loss"] + 0.5 * r["ncp_loss"] + 2.0 * r["vq_loss"], rel=1e-5)
   assert rows[-1]["flops"] == 3 * cfg.data.batch_size * cfg.data.seq_len * flops.flops_per_token(cfg.model, 32)

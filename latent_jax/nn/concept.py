@@ -105,6 +105,8 @@ class ConceptLM(nnx.Module):
   def __init__(self, cfg, rngs):
     d, pd = cfg.d_model, jnp.dtype(cfg.param_dtype)
     s, n = cfg.num_segments, cfg.codebook_size
+    if d % s:  # load_config checks this too; a model built from a hand-made config must as well
+      raise ValueError(f"model.num_segments={s} does not divide model.d_model={d}; pick a divisor of it.")
     e_layers, c_layers, d_layers = cfg.encoder_layers, cfg.concept_layers, cfg.decoder_layers
     self.embed = param(rngs, (cfg.vocab_size, d), ("vocab", "embed"), cfg.init_std, pd)
     self.encoder = ResidualStack(cfg, e_layers, (), rngs)

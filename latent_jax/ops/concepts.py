@@ -24,7 +24,18 @@ sg = jax.lax.stop_gradient
 
 
 # ---------------------------------------------------------------- concepts (Eq. 1-2)
+def choice(value, name, choices):
+  """The pure functions below take modes as strings: reject a typo instead of falling through."""
+  if value not in choices:
+    raise ValueError(f"{name}={value!r}: use one of {list(choices)}.")
+  return value
+
+
 def num_concepts(seq_len, k):
+  """M = floor(T / k) complete chunks (Eq. 2); at least one is needed."""
+  if seq_len < k:
+    raise ValueError(f"a sequence of {seq_len} tokens holds no complete chunk of model.chunk_size={k}; "
+                     f"give at least {k} tokens or lower model.chunk_size.")
   return seq_len // k
 
 
@@ -57,11 +68,14 @@ def concept_positions(positions, k, mode):
   exactly as token positions do: [B, T] -> [B, M].
   """
   index = chunk_segments(positions, k) // k
-  return index if mode == "index" else index * k
+  return index if choice(mode, "concept_positions", CONCEPT_POSITIONS) == "index" else index * k
 
 
 # ---------------------------------------------------------------- product quantisation (Eq. 3-10)
 def split_segments(x, num_segments):
+  if x.shape[-1] % num_segments:
+    raise ValueError(f"model.num_segments={num_segments} does not divide the concept width {x.shape[-1]} "
+                     "(model.d_model); pick a divisor of it.")
   return x.reshape(*x.shape[:-1], num_segments, x.shape[-1] // num_segments)
 
 
@@ -86,7 +100,7 @@ def mix_codebook(logits, codebook, mode="softmax", impl="auto"):
 
   logits [..., S, N], codebook [S, N, d/S] -> [..., d] (segments concatenated, Eq. 10).
   """
-  out = pallas_kernels.codebook_mix(logits, codebook, mode=MIXING[mode], impl=impl)
+  out = pallas_kernels.codebook_mix(logits, codebook, mode=MIXING[choice(mode, "mixing", MIXING)], impl=impl)
   return out.reshape(*out.shape[:-2], -1)
 
 
@@ -128,7 +142,7 @@ def inject_concepts(h, predicted, k, *, fusion="add", valid=None, h_scale=None, 
 def fuse_concepts(h, b, *, fusion="add", h_scale=None, c_scale=None, a=None, eps=1e-6):
   """Eq. 12 on concepts already aligned to the tokens: h, b [B, T, d]. A zero b (no concept yet)
   leaves h under 'add' and gives LN(h) under 'norm_add', as RMSNorm maps zero to zero."""
-  if fusion == "add":
+  if choice(fusion, "fusion", FUSIONS) == "add":
     return h + b
   return T.rms_norm(h, h_scale, eps) + a.astype(h.dtype) * T.rms_norm(b, c_scale, eps)
 
@@ -168,6 +182,7 @@ def cross_module_residual(target, sources, w1, w2, scale):
 # ---------------------------------------------------------------- losses (Eq. 21-22)
 def _reduce(sq_norms, mask, num_segments, width, reduction, per_segment):
   """Mean of per-concept squared norms, divided further by S or d as the reduction asks."""
+  choice(reduction, "reduction", REDUCTIONS)
   mask = jnp.ones_like(sq_norms) if mask is None else mask.astype(jnp.float32)
   mean = jnp.sum(sq_norms * mask) / jnp.maximum(jnp.sum(mask), 1)
   if reduction == "released":
@@ -196,9 +211,12 @@ def ncp_loss(predicted, concepts, num_segments, reduction="paper", mask=None):
 
 
 def codebook_usage(codes, codebook_size):
-  """Codebook health in a batch, averaged over segments: fraction of codes used, perplexity exp(H) of the code histogram, unused (dead) codes."""
+  """Codebook health in a batch, averaged over segments: fraction of codes used, perplexity exp(H) of
+  the code histogram, unused (dead) codes; and the least-used segment's fraction (one segment can
+  collapse while the mean looks healthy)."""
   counts = jax.nn.one_hot(codes.reshape(-1, codes.shape[-1]), codebook_size, dtype=jnp.float32).sum(0)  # [S, N]
   p = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1)
   entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1)), 0), -1)
-  return {"code_usage": jnp.mean(jnp.mean(counts > 0, -1)), "code_perplexity": jnp.mean(jnp.exp(entropy)),
+  used = jnp.mean(counts > 0, -1)  # [S]
+  return {"code_usage": jnp.mean(used), "code_usage_min": jnp.min(used), "code_perplexity": jnp.mean(jnp.exp(entropy)),
           "dead_codes": jnp.mean(jnp.sum(counts == 0, -1).astype(jnp.float32))}
