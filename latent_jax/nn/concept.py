@@ -74,8 +74,9 @@ class ResidualStack(nnx.Module):
     if self.irc:
       layers["irc"] = (w(self.irc_w1), w(self.irc_w2))
 
-    def body(carry, layer):
+    def body(carry, layer, consts):
       x, history = carry
+      normed, positions, segment_ids = consts
       for s, p in zip(normed, layer["crc"]):  # routes apply in turn: encoder, then concept
         x = C.cross_module_residual(x, s, *p)
       out, layer_cache = nnx.merge(graphdef, layer["block"])(x, positions, segment_ids, layer["window"],
@@ -89,14 +90,76 @@ class ResidualStack(nnx.Module):
 
     if self.remat:
       body = jax.checkpoint(body, prevent_cse=False)
-    history = None
-    if self.irc:  # slot 0 is the module input H_1, slot l+1 the output of layer l
+    consts, history = (normed, positions, segment_ids), None
+    if self.irc:  # slot 0 of the history is the module input H_1, slot l+1 the output of layer l
       history = jnp.zeros((self.num_layers + 1, *x.shape), x.dtype).at[0].set(x)
-    (x, _), (outs, cache) = jax.lax.scan(body, (x, history), layers)
+    if self.irc and cache is None:  # training and full forwards: the O(L)-memory backward pass
+      x, outs = history_scan(body, x, history, layers, consts)
+      return x, outs, None
+    (x, _), (outs, cache) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history), layers)
     return x, outs, cache
 
   def init_cache(self, cfg, batch, length, dtype):
     return kv_cache(cfg, self.num_layers, batch, length, dtype)
+
+
+def history_scan(body, x, history, layers, consts):
+  """jax.lax.scan of an IRC stack -> (x, outs), whose backward pass stores O(L) states, not O(L^2).
+
+  A plain scan saves its carry, the whole [L+1, B, T, d] history, at every layer. But layer l
+  only writes slot l+1, so the history it read is the final history with the slots after l
+  zeroed: the backward pass rebuilds it from there and from each layer's input x, and
+  recomputes the layer. `body(carry, layer, consts)` is the scan body; integer inputs (windows,
+  positions) pass through undifferentiated.
+  """
+  return _history_scan(body, x, history, *split_ints((layers, consts)))
+
+
+def split_ints(tree):
+  """(floats, ints): the pytree twice, with None in place of its integer / its float leaves."""
+  is_int = lambda a: not jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+  keep = lambda want: jax.tree.map(lambda a: a if is_int(a) == want else None, tree)
+  return keep(False), keep(True)
+
+
+def join(floats, ints):
+  return jax.tree.map(lambda f, i: i if f is None else f, floats, ints, is_leaf=lambda a: a is None)
+
+
+def _forward(body, x, history, floats, ints):
+  (layers, consts), (layer_ints, const_ints) = floats, ints
+  consts = join(consts, const_ints)
+
+  def step(carry, layer):
+    new, (out, _) = body(carry, join(*layer), consts)
+    return new, (out, carry[0])
+
+  (x, history), (outs, inputs) = jax.lax.scan(step, (x, history), (layers, layer_ints))
+  return (x, outs), (inputs, history, floats, ints)
+
+
+def _backward(body, saved, cotangent):
+  inputs, history, (layers, consts), (layer_ints, const_ints) = saved
+  slots = jnp.arange(history.shape[0]).reshape(-1, *[1] * (history.ndim - 1))
+
+  def step(carry, layer):
+    g_x, g_history, g_consts = carry
+    floats, ints, x, l, g_out = layer
+    read = jnp.where(slots <= l, history, jnp.zeros((), history.dtype))  # the history layer l saw
+    layer_fn = lambda c, f, k: (lambda new, out: (new, out[0]))(*body(c, join(f, ints), join(k, const_ints)))
+    _, vjp = jax.vjp(layer_fn, (x, read), floats, consts)
+    (g_x, g_history), g_floats, g_k = vjp(((g_x, g_history), g_out))
+    return (g_x, g_history, jax.tree.map(jnp.add, g_consts, g_k)), g_floats
+
+  g_x, g_outs = cotangent
+  start = (g_x, jnp.zeros_like(history), jax.tree.map(jnp.zeros_like, consts))
+  (g_x, g_history, g_consts), g_layers = jax.lax.scan(
+      step, start, (layers, layer_ints, inputs, jnp.arange(inputs.shape[0]), g_outs), reverse=True)
+  return g_x, g_history, (g_layers, g_consts), None
+
+
+_history_scan = jax.custom_vjp(lambda body, *args: _forward(body, *args)[0], nondiff_argnums=(0,))
+_history_scan.defvjp(_forward, _backward)
 
 
 class ConceptLM(nnx.Module):
