@@ -1,5 +1,6 @@
 """NITP and MTP (docs/aux.md): losses and masks against NumPy, the tapped target, stop-gradient,
 an unchanged LM loss, exports without the heads, ConceptLM training, FLOPs and configs."""
+import itertools
 import json
 import os
 
@@ -15,7 +16,7 @@ import numpy_ref as ref
 from conftest import ROOT, TINY, TINY_OVERRIDES
 from latent_jax import ConfigError, build_model, load_config
 from latent_jax.config import nitp_layer, validate
-from latent_jax.objectives import auxiliary_terms, lm_objective, ntp_terms
+from latent_jax.objectives import auxiliary_terms, lm_objective, model_kwargs, ncp_objective, ntp_terms
 from latent_jax.ops import auxiliary as A
 from latent_jax.train import flops
 
@@ -77,6 +78,32 @@ def ref_ce(logits, labels):
   return np.mean([-lp[i, j, labels[i, j]] for i, j in rows])
 
 
+def ref_states(p, m, batch):
+  """NumPy forward of the baseline's blocks: the state after every layer (the last is `pre_norm`)."""
+  inputs, seg, pos = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "positions"))
+  x, states = p["embed"][inputs], []
+  for layer, window in enumerate(ncp_ref.windows(m.num_layers, m.window, m.full_attention_every)):
+    x = ncp_ref.block(ncp_ref._index(p["blocks"]["blocks"], layer), m, x, pos, seg, window)
+    states.append(x)
+  return states
+
+
+def with_random(params, draw, *paths, scale=0.5):
+  """A copy of `params` (an nnx.State) whose leaves at `paths` ("final_norm/scale") are drawn at
+  random around their values: at init every norm scale is 1 and RMSNorm(x) has the direction and
+  RMS of RMSNorm(RMSNorm(x)), so a state read before or after the final norm would pass unseen."""
+  params = jax.tree.map(lambda x: x, params)
+  p = nnx.to_pure_dict(params)
+  for path in paths:
+    *up, name = path.split("/")
+    node = p
+    for key in up:
+      node = node[key]
+    node[name] = np.asarray(node[name] + scale * draw.normal(size=node[name].shape), np.float32)
+  nnx.replace_by_pure_dict(params, p)
+  return params
+
+
 # ------------------------------------------------------------------ the pure functions
 @pytest.mark.parametrize("loss", ["cosine", "mse"])
 @pytest.mark.parametrize("alignment", ["next", "same"])
@@ -121,21 +148,30 @@ def aux_model():
   return cfg, graphdef, params, run
 
 
-def test_model_terms_match_numpy(aux_model):
-  """The tapped target (layer k of 2), the projector, NITP and MTP (block, shared head) from NumPy."""
-  cfg, _, params, run = aux_model
+@pytest.fixture(scope="module")
+def aux_ref(aux_model):
+  """aux_model's params with a random final-norm scale, a packed batch, and the NumPy states after
+  every layer on it."""
+  cfg, _, params, _ = aux_model
+  params = with_random(params, np.random.default_rng(1), "final_norm/scale")
+  batch = packed_batch()
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+  return params, batch, p, ref_states(p, cfg.model, batch)
+
+
+def test_model_terms_match_numpy(aux_model, aux_ref):
+  """The tapped target (layer k of 2), the projector, NITP and MTP (block, shared head) from NumPy.
+
+  The losses come from the objective (`lm_objective` -> `auxiliary_terms`), so its wiring is under
+  test: with a random final-norm scale, P reading the state after the norm and MTP reading the one
+  before it are both pinned."""
+  cfg, _, _, run = aux_model
+  params, batch, p, states = aux_ref
   m, k = cfg.model, nitp_layer(cfg)
   assert k == 1  # max(1, round(0.2 * 2))
-  batch = packed_batch()
   metrics, out, pred, mtp_hidden = run(params, batch)
-  p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
-  inputs, seg, pos = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "positions"))
-  targets = np.asarray(batch["targets"])
-  wins = ncp_ref.windows(m.num_layers, m.window, m.full_attention_every)
-  x, states = p["embed"][inputs], []
-  for layer, window in enumerate(wins):
-    x = ncp_ref.block(ncp_ref._index(p["blocks"]["blocks"], layer), m, x, pos, seg, window)
-    states.append(x)
+  inputs, seg, targets = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "targets"))
+  pos, x = np.asarray(batch["positions"]), states[-1]
   np.testing.assert_allclose(out.aux["nitp_target_state"], states[k - 1], rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(out.aux["pre_norm"], x, rtol=1e-4, atol=1e-4)
   hidden = ref.rms_norm(x, p["final_norm"]["scale"], m.norm_eps)
@@ -144,14 +180,20 @@ def test_model_terms_match_numpy(aux_model):
   np.testing.assert_allclose(pred, want_pred, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(metrics["nitp_loss"], ref_nitp(want_pred, states[k - 1], targets, seg, "cosine", "next"),
                              rtol=1e-4)
-  # MTP: RMSNorm(Block(W [RMSNorm(h_t); RMSNorm(Emb(x_{t+1}))])) -> shared LM head -> CE on x_{t+2}.
+  # MTP: RMSNorm(Block(W [RMSNorm(h_t); RMSNorm(Emb(x_{t+1}))])) -> shared LM head -> CE on x_{t+2},
+  # h_t the state before the final norm.
   q = p["mtp"]
   nxt = np.concatenate([inputs[:, 1:], np.zeros_like(inputs[:, :1])], 1)
-  y = np.concatenate([ref.rms_norm(x, q["h_norm"]["scale"], m.norm_eps),
-                      ref.rms_norm(p["embed"][nxt], q["e_norm"]["scale"], m.norm_eps)], -1) @ q["proj"]
-  y = ref.rms_norm(ncp_ref.block(q["block"], m, y, pos, seg, 2**30), q["norm"]["scale"], m.norm_eps)
-  np.testing.assert_allclose(mtp_hidden, y, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(metrics["mtp_loss"], ref_ce(y @ p["lm_head"], ref_mtp_labels(targets, seg)), rtol=1e-4)
+  mtp_in = lambda h: np.concatenate([ref.rms_norm(h, q["h_norm"]["scale"], m.norm_eps),
+                                     ref.rms_norm(p["embed"][nxt], q["e_norm"]["scale"], m.norm_eps)], -1) @ q["proj"]
+  mtp_out = lambda h: ref.rms_norm(ncp_ref.block(q["block"], m, mtp_in(h), pos, seg, 2**30), q["norm"]["scale"],
+                                   m.norm_eps)
+  y = mtp_out(x)
+  np.testing.assert_allclose(mtp_hidden, y, rtol=1e-4, atol=1e-4)  # the block alone (called by the test)
+  labels = ref_mtp_labels(targets, seg)
+  want_mtp = ref_ce(y @ p["lm_head"], labels)
+  assert abs(ref_ce(mtp_out(hidden) @ p["lm_head"], labels) - want_mtp) > 1e-3  # the two readings differ
+  np.testing.assert_allclose(metrics["mtp_loss"], want_mtp, rtol=1e-4)  # the objective's wiring
   assert metrics["total_loss"] == pytest.approx(metrics["loss"] + 0.7 * metrics["nitp_loss"]
                                                 + 0.5 * metrics["mtp_loss"], rel=1e-6)
 
