@@ -150,10 +150,13 @@ def aux_model():
 
 @pytest.fixture(scope="module")
 def aux_ref(aux_model):
-  """aux_model's params with a random final-norm scale, a packed batch, and the NumPy states after
-  every layer on it."""
+  """aux_model's params with a random final-norm scale and projector weights of about unit gain (at
+  init P(h) is so small that MSE barely sees it), a packed batch, and the NumPy states after every
+  layer on it."""
   cfg, _, params, _ = aux_model
-  params = with_random(params, np.random.default_rng(1), "final_norm/scale")
+  draw = np.random.default_rng(1)
+  params = with_random(params, draw, "final_norm/scale")
+  params = with_random(params, draw, *(f"nitp_projector/{w}" for w in ("gate", "up", "down")), scale=0.2)
   batch = packed_batch()
   p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
   return params, batch, p, ref_states(p, cfg.model, batch)
@@ -250,24 +253,41 @@ def test_stop_gradient_keeps_nitp_off_the_target_path():
   assert all(np.any(g) for g in jax.tree.leaves(shallow(sg)))  # the prediction path runs through layer 1
 
 
-def test_ablation_switches_reach_the_loss():
-  """projector=False predicts with h itself; source=pre_norm reads the state before the final norm."""
-  cfg = nitp_cfg("nitp.projector=False", "nitp.source=pre_norm", "nitp.loss=mse", "nitp.alignment=same",
-                 "nitp.layer=2")
-  graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
-  assert "nitp_projector" not in nnx.to_pure_dict(params)
-  batch = packed_batch()
+def test_ablation_switches_reach_the_loss(aux_model, aux_ref):
+  """Every combination of nitp.loss, alignment, projector and source, set in the config and read by
+  `auxiliary_terms`, against NumPy: target layer 1 of 2, a random final-norm scale and projector, so
+  flipping any one switch changes the loss (a switch that did nothing would show)."""
+  cfg, graphdef, _, _ = aux_model
+  params, batch, p, states = aux_ref
+  assert nitp_layer(cfg) == 1
+  off = nnx.eval_shape(lambda: build_model(nitp_cfg("nitp.projector=False"), nnx.Rngs(0)))
+  assert "nitp_projector" not in nnx.to_pure_dict(nnx.state(off))
+  variants = list(itertools.product(["cosine", "mse"], ["next", "same"], [True, False], ["final_norm", "pre_norm"]))
+  cfgs = []
+  for loss, alignment, projector, source in variants:
+    c = cfg.copy_and_resolve_references()
+    c.nitp.loss, c.nitp.alignment, c.nitp.projector, c.nitp.source = loss, alignment, projector, source
+    cfgs.append(c)
 
   @jax.jit
   def run(params):
     model = nnx.merge(graphdef, params)
     out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
-    return auxiliary_terms(model, out, batch, cfg)[1]["nitp_loss"], out.aux
-  got, aux = run(params)
-  np.testing.assert_array_equal(aux["nitp_target_state"], aux["pre_norm"])  # layer 2 of 2: the last state
-  mask = A.nitp_mask(batch["targets"], batch["segment_ids"], "same")
-  assert float(got) == pytest.approx(float(A.nitp_loss(aux["pre_norm"], aux["pre_norm"], mask, "mse", "same")))
-  assert float(got) == 0.0
+    return jnp.stack([auxiliary_terms(model, out, batch, c, mtp=False)[1]["nitp_loss"] for c in cfgs])
+  got = run(params)
+  m, proj = cfg.model, p["nitp_projector"]
+  targets, seg = np.asarray(batch["targets"]), np.asarray(batch["segment_ids"])
+  h = {"pre_norm": states[-1], "final_norm": ref.rms_norm(states[-1], p["final_norm"]["scale"], m.norm_eps)}
+  want = np.array([ref_nitp(ref.swiglu(h[source], proj["gate"], proj["up"], proj["down"]) if projector else h[source],
+                            states[0], targets, seg, loss, alignment)
+                   for loss, alignment, projector, source in variants])
+  for v, g, w in zip(variants, got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-4, err_msg=str(v))
+  # Flipping any one switch moves the loss by far more than the tolerance, whatever the others are
+  # (variant i's bits, outer to inner: loss, alignment, projector, source).
+  for bit, switch in [(8, "loss"), (4, "alignment"), (2, "projector"), (1, "source")]:
+    flipped = want[np.arange(len(want)) ^ bit]
+    assert np.all(np.abs(want - flipped) > 2e-3), switch
 
 
 # ------------------------------------------------------------------ training, export, ConceptLM
