@@ -219,11 +219,13 @@ def test_lm_loss_is_unchanged_by_the_aux_terms(aux_model):
 def test_stop_gradient_keeps_nitp_off_the_target_path():
   """sg on: the NITP gradient equals that of the loss against the target computed apart as a
   constant. sg off: it differs exactly in the params before the tap (embedding, layer 1 of 2).
-  NTP reaches the shallow layer either way."""
+  NTP reaches the shallow layer either way. Checked for the pure function's argument and for
+  `nitp.stop_gradient` set in the config and read by the objective."""
   cfg = nitp_cfg()
   graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
   batch = packed_batch()
   mask = A.nitp_mask(batch["targets"], batch["segment_ids"])
+  configured = [nitp_cfg(f"nitp.stop_gradient={sg}") for sg in (True, False)]
 
   def forward(p):
     model = nnx.merge(graphdef, p)
@@ -232,25 +234,27 @@ def test_stop_gradient_keeps_nitp_off_the_target_path():
 
   const = forward(params)[1].aux["nitp_target_state"]
 
-  def losses(p):  # [nitp (sg), nitp (no sg), nitp against the constant target, ntp]
+  def losses(p):  # nitp: [sg, no sg, against the constant target]; ntp; the objective's nitp: [sg, no sg]
     model, out, pred = forward(p)
     z = out.aux["nitp_target_state"]
     return jnp.stack([A.nitp_loss(pred, z, mask), A.nitp_loss(pred, z, mask, stop_gradient=False),
-                      A.nitp_loss(pred, const, mask, stop_gradient=False), ntp_terms(model, out, batch, cfg)[0]])
+                      A.nitp_loss(pred, const, mask, stop_gradient=False), ntp_terms(model, out, batch, cfg)[0],
+                      *(lm_objective(nnx.merge(graphdef, p), batch, c)[1]["nitp_loss"] for c in configured)])
 
   grad = jax.jit(jax.grad(lambda p, w: jnp.dot(w, losses(p))))
-  sg, no_sg, constant, ntp = (nnx.to_pure_dict(grad(params, jnp.eye(4)[i])) for i in range(4))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sg, constant)
-  diff = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)), no_sg, sg)
-  assert np.max(diff["embed"]) > 1e-4  # the target path's gradient is far above that float noise
+  sg, no_sg, constant, ntp, cfg_sg, cfg_no_sg = (nnx.to_pure_dict(grad(params, jnp.eye(6)[i])) for i in range(6))
   shallow = lambda tree: jax.tree.map(lambda a: a[0], tree["blocks"]["blocks"])  # layer 1 of 2 (k = 1)
   deep = lambda tree: jax.tree.map(lambda a: a[1], tree["blocks"]["blocks"])
-  assert np.any(diff["embed"]) and all(np.any(d) for d in jax.tree.leaves(shallow(diff)))
-  assert not any(np.any(d) for d in jax.tree.leaves(deep(diff)))
-  for name in ("final_norm", "nitp_projector", "lm_head"):
-    assert not any(np.any(d) for d in jax.tree.leaves(diff[name]))
+  for on, off in [(sg, no_sg), (cfg_sg, cfg_no_sg)]:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), on, constant)
+    diff = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)), off, on)  # through the target
+    assert np.max(diff["embed"]) > 1e-4  # the target path's gradient is far above that float noise
+    assert np.any(diff["embed"]) and all(np.any(d) for d in jax.tree.leaves(shallow(diff)))
+    assert not any(np.any(d) for d in jax.tree.leaves(deep(diff)))
+    for name in ("final_norm", "nitp_projector", "lm_head"):
+      assert not any(np.any(d) for d in jax.tree.leaves(diff[name]))
+    assert all(np.any(g) for g in jax.tree.leaves(shallow(on)))  # the prediction path runs through layer 1
   assert all(np.any(g) for g in jax.tree.leaves(shallow(ntp)))
-  assert all(np.any(g) for g in jax.tree.leaves(shallow(sg)))  # the prediction path runs through layer 1
 
 
 def test_ablation_switches_reach_the_loss(aux_model, aux_ref):
