@@ -318,16 +318,51 @@ def test_export_drops_the_heads_and_generates_the_same(tmp_path, corpus_dir):
   np.testing.assert_array_equal(texts[0], texts[1])
 
 
-def test_concept_lm_train_step_with_nitp_and_mtp():
-  """One gradient step of ncp_objective with both terms: target from encoder layer 2, every term
-  logged, the total their weighted sum, gradients finite and reaching both heads."""
-  from latent_jax.objectives import ncp_objective
-  extra = ["nitp.enabled=True", "mtp.enabled=True", "model.num_segments=4", "model.codebook_size=16",
-           "model.encoder_layers=2", "model.concept_layers=1", "model.decoder_layers=1", "nitp.layer=2"]
-  cfg = load_config(TINY_NCP, TINY_OVERRIDES + extra)
+CONCEPT_MODEL = ["model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=2",
+                 "model.concept_layers=1", "model.decoder_layers=1", "model.remat=True"]  # remat: faster compile
+
+
+@pytest.fixture(scope="module")
+def concept_aux():
+  """ConceptLM (E = 2) with NITP (target encoder layer k = 2) and MTP, and the same model without
+  them (checked to init alike); params with a random final-norm scale and encoder IRC weights (at
+  init IRC is the plain residual: a layer's output and the mixture after it agree). One compiled
+  function: the objective's value and gradient; the forward's hidden state and NITP target with k = 2
+  and with k = 1 (and the objective's NITP loss of that forward); the plain model's objective."""
+  cfg = load_config(TINY_NCP, TINY_OVERRIDES + CONCEPT_MODEL + ["nitp.enabled=True", "mtp.enabled=True",
+                                                                "nitp.layer=2"])
+  plain_cfg = load_config(TINY_NCP, TINY_OVERRIDES + CONCEPT_MODEL)
   graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
-  step = jax.jit(jax.value_and_grad(lambda p, b: ncp_objective(nnx.merge(graphdef, p), b, cfg), has_aux=True))
-  (total, r), grads = step(params, packed_batch())
+  plain_graphdef, plain_params = nnx.split(build_model(plain_cfg, nnx.Rngs(0)))
+  full, base = nnx.to_pure_dict(params), nnx.to_pure_dict(plain_params)
+  assert set(full) - set(base) == {"nitp_projector", "mtp"}
+  jax.tree.map(np.testing.assert_array_equal, base, {k: full[k] for k in base})
+  params = with_random(params, np.random.default_rng(3), "final_norm/scale", "encoder/irc_w2")
+  full = nnx.to_pure_dict(params)
+  nnx.replace_by_pure_dict(plain_params, {k: full[k] for k in base})  # equal params
+
+  @jax.jit
+  def run(params, plain_params, batch):
+    objective = lambda p: ncp_objective(nnx.merge(graphdef, p), batch, cfg)
+    (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    model = nnx.merge(graphdef, params)
+    forward = lambda: model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False,
+                            **model_kwargs(cfg))
+    out = forward()
+    model.nitp_layer = 1
+    out1 = forward()
+    nitp1 = auxiliary_terms(model, out1, batch, cfg, mtp=False)[1]["nitp_loss"]
+    plain = ncp_objective(nnx.merge(plain_graphdef, plain_params), batch, plain_cfg)[1]
+    return (metrics, grads), {"hidden": out.hidden, "z2": out.aux["nitp_target_state"],
+                              "z1": out1.aux["nitp_target_state"], "nitp1": nitp1}, plain
+  batch = packed_batch()
+  return cfg, params, batch, run(params, plain_params, batch)
+
+
+def test_concept_lm_train_step_with_nitp_and_mtp(concept_aux):
+  """One gradient step of ncp_objective with both terms: every term logged, the total their
+  weighted sum, gradients finite and reaching both heads."""
+  cfg, _, _, ((r, grads), _, _) = concept_aux
   n = cfg.ncp
   assert r["total_loss"] == pytest.approx(r["loss"] + n.alpha * r["ncp_loss"] + n.beta * r["vq_loss"]
                                           + r["nitp_loss"] + 0.3 * r["mtp_loss"], rel=1e-5)
@@ -335,6 +370,32 @@ def test_concept_lm_train_step_with_nitp_and_mtp():
   grads = nnx.to_pure_dict(grads)
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
   assert all(np.any(g) for g in jax.tree.leaves({k: grads[k] for k in ("nitp_projector", "mtp")}))
+
+
+def test_concept_lm_nitp_target_is_encoder_layer_k(concept_aux):
+  """The target is the output of encoder layer k (k = 2 and k = 1 of E = 2; with IRC the block's
+  output, before the mixture), re-derived in NumPy from the embeddings; the objective's NITP loss is
+  1 - cos(P(decoder's last hidden state), that target at t+1) over the masked positions."""
+  cfg, params, batch, ((metrics, _), got, _) = concept_aux
+  m, p = cfg.model, jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+  inputs, seg, pos, targets = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "positions", "targets"))
+  _, enc = ncp_ref.stack(p["encoder"], m, p["embed"][inputs], pos, seg,
+                         ncp_ref.windows(m.encoder_layers, m.window, m.full_attention_every), [], m.irc)
+  assert np.max(np.abs(enc[1] - enc[0])) > 0.1
+  proj = p["nitp_projector"]
+  pred = ref.swiglu(np.asarray(got["hidden"]), proj["gate"], proj["up"], proj["down"])
+  for k, z, loss in [(2, got["z2"], metrics["nitp_loss"]), (1, got["z1"], got["nitp1"])]:
+    np.testing.assert_allclose(z, enc[k - 1], rtol=1e-4, atol=1e-4, err_msg=f"k={k}")
+    np.testing.assert_allclose(loss, ref_nitp(pred, enc[k - 1], targets, seg, "cosine", "next"), rtol=1e-4,
+                               err_msg=f"k={k}")
+  assert abs(float(metrics["nitp_loss"]) - float(got["nitp1"])) > 1e-3
+
+
+def test_concept_lm_loss_is_unchanged_by_the_aux_terms(concept_aux):
+  """ConceptLM at equal params (the fixture checks the init too): `loss` is NTP alone."""
+  _, _, _, ((metrics, _), _, plain) = concept_aux
+  assert float(metrics["loss"]) == float(plain["loss"])
+  assert float(metrics["total_loss"]) > float(plain["total_loss"])
 
 
 # ------------------------------------------------------------------ FLOPs and configs
