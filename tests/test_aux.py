@@ -1,5 +1,6 @@
 """NITP and MTP (docs/aux.md): losses and masks against NumPy, the tapped target, stop-gradient,
-an unchanged LM loss, exports without the heads, ConceptLM training, FLOPs and configs."""
+an unchanged LM loss, exports without the heads, ConceptLM (encoder target, training), FLOPs
+and configs."""
 import itertools
 import json
 import os
