@@ -1,5 +1,7 @@
 """NITP and MTP (docs/aux.md): losses and masks against NumPy, the tapped target, stop-gradient,
-an unchanged LM loss, exports without the heads, ConceptLM training, FLOPs and configs."""
+an unchanged LM loss, exports without the heads, ConceptLM (encoder target, training), FLOPs
+and configs."""
+import itertools
 import json
 import os
 
@@ -15,7 +17,7 @@ import numpy_ref as ref
 from conftest import ROOT, TINY, TINY_OVERRIDES
 from latent_jax import ConfigError, build_model, load_config
 from latent_jax.config import nitp_layer, validate
-from latent_jax.objectives import auxiliary_terms, lm_objective, ntp_terms
+from latent_jax.objectives import auxiliary_terms, lm_objective, model_kwargs, ncp_objective, ntp_terms
 from latent_jax.ops import auxiliary as A
 from latent_jax.train import flops
 
@@ -77,6 +79,32 @@ def ref_ce(logits, labels):
   return np.mean([-lp[i, j, labels[i, j]] for i, j in rows])
 
 
+def ref_states(p, m, batch):
+  """NumPy forward of the baseline's blocks: the state after every layer (the last is `pre_norm`)."""
+  inputs, seg, pos = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "positions"))
+  x, states = p["embed"][inputs], []
+  for layer, window in enumerate(ncp_ref.windows(m.num_layers, m.window, m.full_attention_every)):
+    x = ncp_ref.block(ncp_ref._index(p["blocks"]["blocks"], layer), m, x, pos, seg, window)
+    states.append(x)
+  return states
+
+
+def with_random(params, draw, *paths, scale=0.5):
+  """A copy of `params` (an nnx.State) whose leaves at `paths` ("final_norm/scale") are drawn at
+  random around their values: at init every norm scale is 1 and RMSNorm(x) has the direction and
+  RMS of RMSNorm(RMSNorm(x)), so a state read before or after the final norm would pass unseen."""
+  params = jax.tree.map(lambda x: x, params)
+  p = nnx.to_pure_dict(params)
+  for path in paths:
+    *up, name = path.split("/")
+    node = p
+    for key in up:
+      node = node[key]
+    node[name] = np.asarray(node[name] + scale * draw.normal(size=node[name].shape), np.float32)
+  nnx.replace_by_pure_dict(params, p)
+  return params
+
+
 # ------------------------------------------------------------------ the pure functions
 @pytest.mark.parametrize("loss", ["cosine", "mse"])
 @pytest.mark.parametrize("alignment", ["next", "same"])
@@ -121,21 +149,33 @@ def aux_model():
   return cfg, graphdef, params, run
 
 
-def test_model_terms_match_numpy(aux_model):
-  """The tapped target (layer k of 2), the projector, NITP and MTP (block, shared head) from NumPy."""
-  cfg, _, params, run = aux_model
+@pytest.fixture(scope="module")
+def aux_ref(aux_model):
+  """aux_model's params with a random final-norm scale and projector weights of about unit gain (at
+  init P(h) is so small that MSE barely sees it), a packed batch, and the NumPy states after every
+  layer on it."""
+  cfg, _, params, _ = aux_model
+  draw = np.random.default_rng(1)
+  params = with_random(params, draw, "final_norm/scale")
+  params = with_random(params, draw, *(f"nitp_projector/{w}" for w in ("gate", "up", "down")), scale=0.2)
+  batch = packed_batch()
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+  return params, batch, p, ref_states(p, cfg.model, batch)
+
+
+def test_model_terms_match_numpy(aux_model, aux_ref):
+  """The tapped target (layer k of 2), the projector, NITP and MTP (block, shared head) from NumPy.
+
+  The losses come from the objective (`lm_objective` -> `auxiliary_terms`), so its wiring is under
+  test: with a random final-norm scale, P reading the state after the norm and MTP reading the one
+  before it are both pinned."""
+  cfg, _, _, run = aux_model
+  params, batch, p, states = aux_ref
   m, k = cfg.model, nitp_layer(cfg)
   assert k == 1  # max(1, round(0.2 * 2))
-  batch = packed_batch()
   metrics, out, pred, mtp_hidden = run(params, batch)
-  p = jax.tree.map(np.asarray, nnx.to_pure_dict(params))
-  inputs, seg, pos = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "positions"))
-  targets = np.asarray(batch["targets"])
-  wins = ncp_ref.windows(m.num_layers, m.window, m.full_attention_every)
-  x, states = p["embed"][inputs], []
-  for layer, window in enumerate(wins):
-    x = ncp_ref.block(ncp_ref._index(p["blocks"]["blocks"], layer), m, x, pos, seg, window)
-    states.append(x)
+  inputs, seg, targets = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "targets"))
+  pos, x = np.asarray(batch["positions"]), states[-1]
   np.testing.assert_allclose(out.aux["nitp_target_state"], states[k - 1], rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(out.aux["pre_norm"], x, rtol=1e-4, atol=1e-4)
   hidden = ref.rms_norm(x, p["final_norm"]["scale"], m.norm_eps)
@@ -144,14 +184,20 @@ def test_model_terms_match_numpy(aux_model):
   np.testing.assert_allclose(pred, want_pred, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(metrics["nitp_loss"], ref_nitp(want_pred, states[k - 1], targets, seg, "cosine", "next"),
                              rtol=1e-4)
-  # MTP: RMSNorm(Block(W [RMSNorm(h_t); RMSNorm(Emb(x_{t+1}))])) -> shared LM head -> CE on x_{t+2}.
+  # MTP: RMSNorm(Block(W [RMSNorm(h_t); RMSNorm(Emb(x_{t+1}))])) -> shared LM head -> CE on x_{t+2},
+  # h_t the state before the final norm.
   q = p["mtp"]
   nxt = np.concatenate([inputs[:, 1:], np.zeros_like(inputs[:, :1])], 1)
-  y = np.concatenate([ref.rms_norm(x, q["h_norm"]["scale"], m.norm_eps),
-                      ref.rms_norm(p["embed"][nxt], q["e_norm"]["scale"], m.norm_eps)], -1) @ q["proj"]
-  y = ref.rms_norm(ncp_ref.block(q["block"], m, y, pos, seg, 2**30), q["norm"]["scale"], m.norm_eps)
-  np.testing.assert_allclose(mtp_hidden, y, rtol=1e-4, atol=1e-4)
-  np.testing.assert_allclose(metrics["mtp_loss"], ref_ce(y @ p["lm_head"], ref_mtp_labels(targets, seg)), rtol=1e-4)
+  mtp_in = lambda h: np.concatenate([ref.rms_norm(h, q["h_norm"]["scale"], m.norm_eps),
+                                     ref.rms_norm(p["embed"][nxt], q["e_norm"]["scale"], m.norm_eps)], -1) @ q["proj"]
+  mtp_out = lambda h: ref.rms_norm(ncp_ref.block(q["block"], m, mtp_in(h), pos, seg, 2**30), q["norm"]["scale"],
+                                   m.norm_eps)
+  y = mtp_out(x)
+  np.testing.assert_allclose(mtp_hidden, y, rtol=1e-4, atol=1e-4)  # the block alone (called by the test)
+  labels = ref_mtp_labels(targets, seg)
+  want_mtp = ref_ce(y @ p["lm_head"], labels)
+  assert abs(ref_ce(mtp_out(hidden) @ p["lm_head"], labels) - want_mtp) > 1e-3  # the two readings differ
+  np.testing.assert_allclose(metrics["mtp_loss"], want_mtp, rtol=1e-4)  # the objective's wiring
   assert metrics["total_loss"] == pytest.approx(metrics["loss"] + 0.7 * metrics["nitp_loss"]
                                                 + 0.5 * metrics["mtp_loss"], rel=1e-6)
 
@@ -174,11 +220,13 @@ def test_lm_loss_is_unchanged_by_the_aux_terms(aux_model):
 def test_stop_gradient_keeps_nitp_off_the_target_path():
   """sg on: the NITP gradient equals that of the loss against the target computed apart as a
   constant. sg off: it differs exactly in the params before the tap (embedding, layer 1 of 2).
-  NTP reaches the shallow layer either way."""
+  NTP reaches the shallow layer either way. Checked for the pure function's argument and for
+  `nitp.stop_gradient` set in the config and read by the objective."""
   cfg = nitp_cfg()
   graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
   batch = packed_batch()
   mask = A.nitp_mask(batch["targets"], batch["segment_ids"])
+  configured = [nitp_cfg(f"nitp.stop_gradient={sg}") for sg in (True, False)]
 
   def forward(p):
     model = nnx.merge(graphdef, p)
@@ -187,45 +235,64 @@ def test_stop_gradient_keeps_nitp_off_the_target_path():
 
   const = forward(params)[1].aux["nitp_target_state"]
 
-  def losses(p):  # [nitp (sg), nitp (no sg), nitp against the constant target, ntp]
+  def losses(p):  # nitp: [sg, no sg, against the constant target]; ntp; the objective's nitp: [sg, no sg]
     model, out, pred = forward(p)
     z = out.aux["nitp_target_state"]
     return jnp.stack([A.nitp_loss(pred, z, mask), A.nitp_loss(pred, z, mask, stop_gradient=False),
-                      A.nitp_loss(pred, const, mask, stop_gradient=False), ntp_terms(model, out, batch, cfg)[0]])
+                      A.nitp_loss(pred, const, mask, stop_gradient=False), ntp_terms(model, out, batch, cfg)[0],
+                      *(lm_objective(nnx.merge(graphdef, p), batch, c)[1]["nitp_loss"] for c in configured)])
 
   grad = jax.jit(jax.grad(lambda p, w: jnp.dot(w, losses(p))))
-  sg, no_sg, constant, ntp = (nnx.to_pure_dict(grad(params, jnp.eye(4)[i])) for i in range(4))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sg, constant)
-  diff = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)), no_sg, sg)
-  assert np.max(diff["embed"]) > 1e-4  # the target path's gradient is far above that float noise
+  sg, no_sg, constant, ntp, cfg_sg, cfg_no_sg = (nnx.to_pure_dict(grad(params, jnp.eye(6)[i])) for i in range(6))
   shallow = lambda tree: jax.tree.map(lambda a: a[0], tree["blocks"]["blocks"])  # layer 1 of 2 (k = 1)
   deep = lambda tree: jax.tree.map(lambda a: a[1], tree["blocks"]["blocks"])
-  assert np.any(diff["embed"]) and all(np.any(d) for d in jax.tree.leaves(shallow(diff)))
-  assert not any(np.any(d) for d in jax.tree.leaves(deep(diff)))
-  for name in ("final_norm", "nitp_projector", "lm_head"):
-    assert not any(np.any(d) for d in jax.tree.leaves(diff[name]))
+  for on, off in [(sg, no_sg), (cfg_sg, cfg_no_sg)]:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), on, constant)
+    diff = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)), off, on)  # through the target
+    assert np.max(diff["embed"]) > 1e-4  # the target path's gradient is far above that float noise
+    assert np.any(diff["embed"]) and all(np.any(d) for d in jax.tree.leaves(shallow(diff)))
+    assert not any(np.any(d) for d in jax.tree.leaves(deep(diff)))
+    for name in ("final_norm", "nitp_projector", "lm_head"):
+      assert not any(np.any(d) for d in jax.tree.leaves(diff[name]))
+    assert all(np.any(g) for g in jax.tree.leaves(shallow(on)))  # the prediction path runs through layer 1
   assert all(np.any(g) for g in jax.tree.leaves(shallow(ntp)))
-  assert all(np.any(g) for g in jax.tree.leaves(shallow(sg)))  # the prediction path runs through layer 1
 
 
-def test_ablation_switches_reach_the_loss():
-  """projector=False predicts with h itself; source=pre_norm reads the state before the final norm."""
-  cfg = nitp_cfg("nitp.projector=False", "nitp.source=pre_norm", "nitp.loss=mse", "nitp.alignment=same",
-                 "nitp.layer=2")
-  graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
-  assert "nitp_projector" not in nnx.to_pure_dict(params)
-  batch = packed_batch()
+def test_ablation_switches_reach_the_loss(aux_model, aux_ref):
+  """Every combination of nitp.loss, alignment, projector and source, set in the config and read by
+  `auxiliary_terms`, against NumPy: target layer 1 of 2, a random final-norm scale and projector, so
+  flipping any one switch changes the loss (a switch that did nothing would show)."""
+  cfg, graphdef, _, _ = aux_model
+  params, batch, p, states = aux_ref
+  assert nitp_layer(cfg) == 1
+  off = nnx.eval_shape(lambda: build_model(nitp_cfg("nitp.projector=False"), nnx.Rngs(0)))
+  assert "nitp_projector" not in nnx.to_pure_dict(nnx.state(off))
+  variants = list(itertools.product(["cosine", "mse"], ["next", "same"], [True, False], ["final_norm", "pre_norm"]))
+  cfgs = []
+  for loss, alignment, projector, source in variants:
+    c = cfg.copy_and_resolve_references()
+    c.nitp.loss, c.nitp.alignment, c.nitp.projector, c.nitp.source = loss, alignment, projector, source
+    cfgs.append(c)
 
   @jax.jit
   def run(params):
     model = nnx.merge(graphdef, params)
     out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
-    return auxiliary_terms(model, out, batch, cfg)[1]["nitp_loss"], out.aux
-  got, aux = run(params)
-  np.testing.assert_array_equal(aux["nitp_target_state"], aux["pre_norm"])  # layer 2 of 2: the last state
-  mask = A.nitp_mask(batch["targets"], batch["segment_ids"], "same")
-  assert float(got) == pytest.approx(float(A.nitp_loss(aux["pre_norm"], aux["pre_norm"], mask, "mse", "same")))
-  assert float(got) == 0.0
+    return jnp.stack([auxiliary_terms(model, out, batch, c, mtp=False)[1]["nitp_loss"] for c in cfgs])
+  got = run(params)
+  m, proj = cfg.model, p["nitp_projector"]
+  targets, seg = np.asarray(batch["targets"]), np.asarray(batch["segment_ids"])
+  h = {"pre_norm": states[-1], "final_norm": ref.rms_norm(states[-1], p["final_norm"]["scale"], m.norm_eps)}
+  want = np.array([ref_nitp(ref.swiglu(h[source], proj["gate"], proj["up"], proj["down"]) if projector else h[source],
+                            states[0], targets, seg, loss, alignment)
+                   for loss, alignment, projector, source in variants])
+  for v, g, w in zip(variants, got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-4, err_msg=str(v))
+  # Flipping any one switch moves the loss by far more than the tolerance, whatever the others are
+  # (variant i's bits, outer to inner: loss, alignment, projector, source).
+  for bit, switch in [(8, "loss"), (4, "alignment"), (2, "projector"), (1, "source")]:
+    flipped = want[np.arange(len(want)) ^ bit]
+    assert np.all(np.abs(want - flipped) > 2e-3), switch
 
 
 # ------------------------------------------------------------------ training, export, ConceptLM
@@ -252,16 +319,51 @@ def test_export_drops_the_heads_and_generates_the_same(tmp_path, corpus_dir):
   np.testing.assert_array_equal(texts[0], texts[1])
 
 
-def test_concept_lm_train_step_with_nitp_and_mtp():
-  """One gradient step of ncp_objective with both terms: target from encoder layer 2, every term
-  logged, the total their weighted sum, gradients finite and reaching both heads."""
-  from latent_jax.objectives import ncp_objective
-  extra = ["nitp.enabled=True", "mtp.enabled=True", "model.num_segments=4", "model.codebook_size=16",
-           "model.encoder_layers=2", "model.concept_layers=1", "model.decoder_layers=1", "nitp.layer=2"]
-  cfg = load_config(TINY_NCP, TINY_OVERRIDES + extra)
+CONCEPT_MODEL = ["model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=2",
+                 "model.concept_layers=1", "model.decoder_layers=1", "model.remat=True"]  # remat: faster compile
+
+
+@pytest.fixture(scope="module")
+def concept_aux():
+  """ConceptLM (E = 2) with NITP (target encoder layer k = 2) and MTP, and the same model without
+  them (checked to init alike); params with a random final-norm scale and encoder IRC weights (at
+  init IRC is the plain residual: a layer's output and the mixture after it agree). One compiled
+  function: the objective's value and gradient; the forward's hidden state and NITP target with k = 2
+  and with k = 1 (and the objective's NITP loss of that forward); the plain model's objective."""
+  cfg = load_config(TINY_NCP, TINY_OVERRIDES + CONCEPT_MODEL + ["nitp.enabled=True", "mtp.enabled=True",
+                                                                "nitp.layer=2"])
+  plain_cfg = load_config(TINY_NCP, TINY_OVERRIDES + CONCEPT_MODEL)
   graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0)))
-  step = jax.jit(jax.value_and_grad(lambda p, b: ncp_objective(nnx.merge(graphdef, p), b, cfg), has_aux=True))
-  (total, r), grads = step(params, packed_batch())
+  plain_graphdef, plain_params = nnx.split(build_model(plain_cfg, nnx.Rngs(0)))
+  full, base = nnx.to_pure_dict(params), nnx.to_pure_dict(plain_params)
+  assert set(full) - set(base) == {"nitp_projector", "mtp"}
+  jax.tree.map(np.testing.assert_array_equal, base, {k: full[k] for k in base})
+  params = with_random(params, np.random.default_rng(3), "final_norm/scale", "encoder/irc_w2")
+  full = nnx.to_pure_dict(params)
+  nnx.replace_by_pure_dict(plain_params, {k: full[k] for k in base})  # equal params
+
+  @jax.jit
+  def run(params, plain_params, batch):
+    objective = lambda p: ncp_objective(nnx.merge(graphdef, p), batch, cfg)
+    (_, metrics), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    model = nnx.merge(graphdef, params)
+    forward = lambda: model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False,
+                            **model_kwargs(cfg))
+    out = forward()
+    model.nitp_layer = 1
+    out1 = forward()
+    nitp1 = auxiliary_terms(model, out1, batch, cfg, mtp=False)[1]["nitp_loss"]
+    plain = ncp_objective(nnx.merge(plain_graphdef, plain_params), batch, plain_cfg)[1]
+    return (metrics, grads), {"hidden": out.hidden, "z2": out.aux["nitp_target_state"],
+                              "z1": out1.aux["nitp_target_state"], "nitp1": nitp1}, plain
+  batch = packed_batch()
+  return cfg, params, batch, run(params, plain_params, batch)
+
+
+def test_concept_lm_train_step_with_nitp_and_mtp(concept_aux):
+  """One gradient step of ncp_objective with both terms: every term logged, the total their
+  weighted sum, gradients finite and reaching both heads."""
+  cfg, _, _, ((r, grads), _, _) = concept_aux
   n = cfg.ncp
   assert r["total_loss"] == pytest.approx(r["loss"] + n.alpha * r["ncp_loss"] + n.beta * r["vq_loss"]
                                           + r["nitp_loss"] + 0.3 * r["mtp_loss"], rel=1e-5)
@@ -269,6 +371,32 @@ def test_concept_lm_train_step_with_nitp_and_mtp():
   grads = nnx.to_pure_dict(grads)
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
   assert all(np.any(g) for g in jax.tree.leaves({k: grads[k] for k in ("nitp_projector", "mtp")}))
+
+
+def test_concept_lm_nitp_target_is_encoder_layer_k(concept_aux):
+  """The target is the output of encoder layer k (k = 2 and k = 1 of E = 2; with IRC the block's
+  output, before the mixture), re-derived in NumPy from the embeddings; the objective's NITP loss is
+  1 - cos(P(decoder's last hidden state), that target at t+1) over the masked positions."""
+  cfg, params, batch, ((metrics, _), got, _) = concept_aux
+  m, p = cfg.model, jax.tree.map(np.asarray, nnx.to_pure_dict(params))
+  inputs, seg, pos, targets = (np.asarray(batch[f]) for f in ("inputs", "segment_ids", "positions", "targets"))
+  _, enc = ncp_ref.stack(p["encoder"], m, p["embed"][inputs], pos, seg,
+                         ncp_ref.windows(m.encoder_layers, m.window, m.full_attention_every), [], m.irc)
+  assert np.max(np.abs(enc[1] - enc[0])) > 0.1
+  proj = p["nitp_projector"]
+  pred = ref.swiglu(np.asarray(got["hidden"]), proj["gate"], proj["up"], proj["down"])
+  for k, z, loss in [(2, got["z2"], metrics["nitp_loss"]), (1, got["z1"], got["nitp1"])]:
+    np.testing.assert_allclose(z, enc[k - 1], rtol=1e-4, atol=1e-4, err_msg=f"k={k}")
+    np.testing.assert_allclose(loss, ref_nitp(pred, enc[k - 1], targets, seg, "cosine", "next"), rtol=1e-4,
+                               err_msg=f"k={k}")
+  assert abs(float(metrics["nitp_loss"]) - float(got["nitp1"])) > 1e-3
+
+
+def test_concept_lm_loss_is_unchanged_by_the_aux_terms(concept_aux):
+  """ConceptLM at equal params (the fixture checks the init too): `loss` is NTP alone."""
+  _, _, _, ((metrics, _), _, plain) = concept_aux
+  assert float(metrics["loss"]) == float(plain["loss"])
+  assert float(metrics["total_loss"]) > float(plain["total_loss"])
 
 
 # ------------------------------------------------------------------ FLOPs and configs
