@@ -1,9 +1,11 @@
 """Shared by the experiment scripts: run a config for several seeds, tabulate, plot.
 
 Each run trains in its own workdir under ROOT/NAME/seedS (so an interrupted experiment
-resumes where it stopped), then its metrics.jsonl is read back. A finished run is not run
-again, so experiments that share a run (the tiny baseline, say) train it once; a lock on the
-workdir lets two experiment scripts run side by side.
+resumes where it stopped), then its metrics.jsonl is read back. A finished run (its last
+step's metrics row and checkpoint are there) is only read, never opened by the train loop, so
+experiments that share a run (the tiny baseline, say) train it once and re-running a script
+on finished runs writes nothing into them; a lock on the workdir lets two experiment scripts
+run side by side.
 """
 import argparse
 import fcntl
@@ -46,12 +48,23 @@ def run_seeds(name, config, overrides, seeds, root):
   for seed in seeds:
     workdir = os.path.join(root, name, f"seed{seed}")
     cfg = load_config(os.path.join(CONFIGS, config), [*overrides, f"train.seed={seed}"])
+    if finished(workdir, cfg.train.steps):
+      out[seed] = read_metrics(workdir)
+      continue
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, ".lock"), "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # another script may be training this very run
       train(cfg, workdir)
     out[seed] = read_metrics(workdir)
   return out
+
+
+def finished(workdir, steps):
+  """Whether the run in `workdir` reached step `steps`: its metrics row and checkpoint are there."""
+  if not os.path.isdir(os.path.join(workdir, "checkpoints", str(steps))):
+    return False
+  rows = read_metrics(workdir) if os.path.exists(os.path.join(workdir, "metrics.jsonl")) else []
+  return bool(rows) and rows[-1]["step"] == steps
 
 
 def wall_seconds(rows):
