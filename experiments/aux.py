@@ -8,9 +8,8 @@ Writes experiments/results/aux.{md,json,png}: final validation loss per seed, an
 change against its base run beside the papers' (docs/aux.md). `--steps N` shortens every run
 to prove the script works (a smoke test, written to results/aux_smoke.*, not a result).
 """
-import os
 
-from common import RESULTS, arguments, budget, run_seeds, summarise, write_results
+from common import arguments, budget, run_seeds, summarise, write_results
 
 RUNS = [  # name, config, overrides, the run it is compared with (run after its own: they are shared)
     ("baseline", "tiny.py", [], None),
@@ -41,14 +40,12 @@ def main():
   table = summarise(runs)
   stem = "aux_smoke" if args.steps else "aux"
   described = ", ".join(f"{n} = configs/{c} {' '.join(e)}".strip() for n, c, e, _ in RUNS)
-  write_results(stem, table, runs, "# Auxiliary objectives on the tiny recipes (KJV, equal tokens)\n\n"
-                f"Runs: {described}; overrides {overrides}, seeds {seeds}.")
-  lines = ["", "| run | vs | change in mean val_loss | paper (final loss) |", "|---|---|---|---|"]
+  lines = ["| run | vs | change in mean val_loss | paper (final loss) |", "|---|---|---|---|"]
   for name, _, _, base in RUNS:
     delta = f"{table[name][1] - table[base][1]:+.4f}" if base else ""
     lines.append(f"| {name} | {base or ''} | {delta} | {PAPERS[name]} |")
-  with open(os.path.join(RESULTS, f"{stem}.md"), "a") as f:
-    f.write("\n".join(lines) + "\n")
+  write_results(stem, table, runs, "# Auxiliary objectives on the tiny recipes (KJV, equal tokens)\n\n"
+                f"Runs: {described}; overrides {overrides}, seeds {seeds}.", args.root, footer="\n".join(lines))
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 

@@ -14,7 +14,7 @@ def main():
   runs = {"baseline (configs/tiny.py)": run_seeds("baseline_600", "tiny.py", [], seeds, args.root)}
   table = summarise(runs)
   write_results("baseline_seeds", table, runs,
-                "# Seed spread of the tiny baseline (KJV, 600 steps x 16 x 128 tokens)")
+                "# Seed spread of the tiny baseline (KJV, 600 steps x 16 x 128 tokens)", args.root)
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 

@@ -49,7 +49,7 @@ def main():
              "params": {r: f"{n / 1e6:.3f}M" for r, (_, n) in cost.items()}}
   write_results("ncp_ablation", table, runs,
                 f"# NCP ablation ladder at tiny size (KJV, 300 steps, configs/ncp_ladder.py, seeds {','.join(map(str, seeds))})",
-                columns=columns, footer=PAPER)
+                args.root, columns=columns, footer=PAPER)
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 
