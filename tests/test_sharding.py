@@ -10,7 +10,10 @@ from latent_jax.config import ConfigError
 
 SCRIPT = textwrap.dedent("""
     import os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # 8 device threads on 2 busy cores can reach a collective far apart: XLA:CPU's default 40 s
+    # before it aborts a collective nobody else has joined yet is too short under CI load.
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+                               "--xla_cpu_collective_call_terminate_timeout_seconds=900")
     import jax, numpy as np
     from latent_jax import load_config
     from latent_jax.train import sharding, step as steps
