@@ -146,7 +146,11 @@ def _backward(body, saved, cotangent):
     g_x, g_history, g_consts = carry
     floats, ints, x, l, g_out = layer
     read = jnp.where(slots <= l, history, jnp.zeros((), history.dtype))  # the history layer l saw
-    layer_fn = lambda c, f, k: (lambda new, out: (new, out[0]))(*body(c, join(f, ints), join(k, const_ints)))
+
+    def layer_fn(carry, floats, consts):  # the forward step again: (new carry, block output)
+      new, (out, _) = body(carry, join(floats, ints), join(consts, const_ints))
+      return new, out
+
     _, vjp = jax.vjp(layer_fn, (x, read), floats, consts)
     (g_x, g_history), g_floats, g_k = vjp(((g_x, g_history), g_out))
     return (g_x, g_history, jax.tree.map(jnp.add, g_consts, g_k)), g_floats
