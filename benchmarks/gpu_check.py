@@ -12,13 +12,14 @@ Stages, each printed as it finishes, so a run cut short still reports what it re
      2048 x 512 x 32000), time of loss + grad and XLA's scratch memory;
   3. benchmarks/codebook_mix.py in bf16 at the 8.94B model's shapes;
   4. benchmarks/train_throughput.py: configs/d512.py in bf16 with kernels.impl = pallas and xla,
-     tokens/s and the ratio to the matmul peak measured in the same process (MFU).
+     tokens/s, TFLOP/s and MFU against the device's data-sheet bf16 peak (train/flops.py).
 Exits 1 if any comparison in stage 1 fails; the later stages run regardless.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from latent_jax.train import flops
 
 # fp32: both impls ask for HIGHEST precision, so only summation order differs.
 # bf16: the kernels round dz / softmax weights to bf16 before the gradient matmuls, as the
@@ -113,11 +115,20 @@ def main():
   run("3. codebook_mix at the 8.94B shapes, bf16",
       ["-m", "benchmarks.codebook_mix", "--impls", "naive,xla,pallas", "--dtype", "bfloat16",
        "--reps", reps])
+  print("\n## 4. train step, configs/d512.py, bf16, 64 x 2048 tokens\n")
+  print("| kernels.impl | tokens/s | TFLOP/s | MFU (of the data-sheet peak) |\n|---|---|---|---|")
+  peak = flops.KNOWN_PEAK_FLOPS.get(jax.devices()[0].device_kind, float("nan"))
   for impl in ("pallas", "xla"):
-    run(f"4. train step, configs/d512.py, bf16, kernels.impl={impl}",
-        ["benchmarks/train_throughput.py", "configs/d512.py", "--config.model.dtype=bfloat16",
-         "--config.data.batch_size=64", "--config.data.seq_len=2048", f"--config.kernels.impl={impl}",
-         f"--steps={reps}"])
+    cmd = ["-m", "benchmarks.train_throughput", "configs/d512.py", "--config.model.dtype=bfloat16",
+           "--config.data.batch_size=64", "--config.data.seq_len=2048", f"--config.kernels.impl={impl}",
+           f"--steps={reps}"]
+    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
+    if out.returncode:
+      print(f"| {impl} | failed: {out.stderr.strip()[-300:]} | | |", flush=True)
+      continue
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"| {impl} | {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e12:.1f} | {r['flops_per_s'] / peak:.3f} |",
+          flush=True)
   sys.exit(0 if ok else 1)
 
 

@@ -60,6 +60,7 @@ def test_vq_adaptation_moves_only_the_codebook_and_heads():
   head norm, nothing for the rest."""
   cfg, graphdef, tx, shardings, mesh, state, batch = small_state("vq", "muon")
   before = named(jax.device_get(state["params"]))
+  state_before = jax.device_get(state["params"])
   # No optimiser state for frozen params: as much state as the same optimiser over the
   # trainable params alone.
   axes = steps.axes_tree(steps.abstract_model(cfg)[1])
@@ -86,6 +87,14 @@ def test_vq_adaptation_moves_only_the_codebook_and_heads():
       np.testing.assert_array_equal(after[name], before[name], err_msg=name)
   expected_norm = optax.tree.norm({n: full[n] for n in VQ})
   np.testing.assert_allclose(metrics["grad_norm"], expected_norm, rtol=1e-5)
+  # Leaf by leaf: the same optimiser over the trained params alone, fed the unrestricted
+  # gradients of those params, gives the step's new values.
+  grads = {"codebook": full["codebook"], "heads": full["heads"], "head_norm": {"scale": full["head_norm/scale"]}}
+  tx_alone = build_optimizer(o, cfg.train.steps, alone)[0]
+  updates, _ = tx_alone.update(grads, alone_state, {k: state_before[k] for k in alone})
+  want = named(optax.apply_updates({k: state_before[k] for k in alone}, updates))
+  for name in VQ:
+    np.testing.assert_allclose(after[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_trainable_regex_and_bad_values():
@@ -147,3 +156,29 @@ def test_init_from_errors_before_anything_compiles(tmp_path, corpus_dir, ncp_sou
   with pytest.raises(ValueError, match=r"train.init_from: parameter '\w+' is \(4, 8, 8\) in .* but \(4, 8, 12\) here"):
     start("tiny_ncp_adapt.py", "model.d_model=48", f"train.init_from={ncp_source}")
   assert not any((tmp_path / d / "checkpoints").exists() for d in os.listdir(tmp_path))  # refused up front
+
+
+def test_resume_ignores_a_missing_source_and_refuses_another_trainable(tmp_path, corpus_dir, ncp_source):
+  """A resumed adaptation reads its own checkpoints, even when the source is gone; resuming with
+  another optim.trainable (another optimiser state) is refused, naming both values."""
+  import shutil
+  source = tmp_path / "source_copy"
+  shutil.copytree(ncp_source, source)
+  adapted = tmp_path / "adapted"
+  config = os.path.join(CONFIGS, "tiny_ncp_adapt.py")
+  train(load_config(config, run_overrides(corpus_dir, f"train.init_from={source}")), str(adapted))
+  shutil.rmtree(source)
+  with pytest.raises(ConfigError, match=r"optim.trainable: .* was saved with optim.trainable='vq', this config says 'all'"):
+    train(load_config(config, run_overrides(corpus_dir, f"train.init_from={source}", "optim.trainable=all")),
+          str(adapted))
+  # A fresh start would need the (deleted) source; the resume reaches step 3 from checkpoint 2.
+  train(load_config(config, run_overrides(corpus_dir, f"train.init_from={source}", "train.steps=3")), str(adapted))
+  assert os.path.isdir(adapted / "checkpoints" / "3")
+
+
+def test_tst_reinit_refuses_frozen_embeddings():
+  from latent_jax.train.loop import check_trains_embeddings
+  axes = steps.axes_tree(steps.abstract_model(load_config(os.path.join(CONFIGS, "tiny.py"), TINY_OVERRIDES))[1])
+  check_trains_embeddings(trainable_mask(axes, "all"), "all")
+  with pytest.raises(ConfigError, match=r"optim.trainable='blocks/.\*' freezes \['embed', 'lm_head'\]"):
+    check_trains_embeddings(trainable_mask(axes, "blocks/.*"), "blocks/.*")

@@ -93,7 +93,7 @@ class ResidualStack(nnx.Module):
     consts, history = (normed, positions, segment_ids), None
     if self.irc:  # slot 0 of the history is the module input H_1, slot l+1 the output of layer l
       history = jnp.zeros((self.num_layers + 1, *x.shape), x.dtype).at[0].set(x)
-    if self.irc and cache is None:  # training and full forwards: the O(L)-memory backward pass
+    if self.irc and self.remat and cache is None:  # recompute rather than store: O(L) states, not O(L^2)
       x, outs = history_scan(body, x, history, layers, consts)
       return x, outs, None
     (x, _), (outs, cache) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history), layers)

@@ -61,6 +61,12 @@ class Checkpoints:
     self.manager.close()
 
 
+def has_checkpoints(workdir):
+  """Whether the workdir holds a saved step (a regular checkpoint or a TST phase-1 result)."""
+  return any(name.isdigit() for sub in ("checkpoints", "phase1")
+             for name in (os.listdir(os.path.join(workdir, sub)) if os.path.isdir(os.path.join(workdir, sub)) else ()))
+
+
 def abstract_like(tree, shardings):
   """ShapeDtypeStructs carrying the target shardings, for restoring onto a mesh."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)

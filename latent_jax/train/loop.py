@@ -13,7 +13,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from latent_jax.config import validate
+from latent_jax.config import ConfigError, validate
 from latent_jax.data import TOKENIZER_FILENAME, build_data, make_train_iterator, make_val_batches
 from latent_jax.infer import load
 from latent_jax.train import checkpoint, flops, phases, sharding
@@ -32,7 +32,7 @@ def train(cfg, workdir):
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh)
-  if cfg.train.get("init_from"):
+  if cfg.train.get("init_from") and not checkpoint.has_checkpoints(workdir):  # a resumed run ignores it
     adopt_source(cfg, workdir)
 
   # Data: corpus -> tokenizer (trained once, then reused) -> packed windows. Each phase opens
@@ -47,6 +47,9 @@ def train(cfg, workdir):
   # Model and state shardings (every phase's optimiser state has the same structure).
   graphdef, abstract_params = steps.abstract_model(cfg)  # with the training-only heads (NITP, MTP)
   axes = steps.axes_tree(abstract_params)
+  trains = trainable_mask(axes, cfg.optim.get("trainable", "all"))
+  if len(plan) > 1 and cfg.tst.reinit_embeddings_at_switch:
+    check_trains_embeddings(trains, cfg.optim.get("trainable", "all"))
   tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   abstract_state = checkpoint.abstract_like(
@@ -57,16 +60,19 @@ def train(cfg, workdir):
   ckpt = checkpoint.Checkpoints(workdir, cfg.train.keep_checkpoints)
   phase1 = checkpoint.Checkpoints(workdir, 1, async_save=False, subdir="phase1") if len(plan) > 1 else None
   step = ckpt.latest_step() or 0
+  saved = ckpt
   if phase1 and phase1.latest_step() is not None and step < plan[1].start:
-    step = plan[1].start
+    step, saved = plan[1].start, phase1
+  if step:  # the saved optimiser state must be the one this config builds
+    check_same_optimizer(cfg, saved.restore_meta(step)["config"], saved.path(step))
   meta = {"config": checkpoint.config_to_json(cfg)}
   eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh)
 
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
   peak *= jax.device_count()
   writer = MetricsWriter(workdir, step)
-  trains = jax.tree.leaves(trainable_mask(axes, cfg.optim.get("trainable", "all")))
-  trainable = "" if all(trains) else f" ({sum(int(np.prod(x.shape)) for x, t in zip(jax.tree.leaves(abstract_params), trains) if t) / 1e6:.3f}M trainable)"
+  flags = jax.tree.leaves(trains)
+  trainable = "" if all(flags) else f" ({sum(int(np.prod(x.shape)) for x, t in zip(jax.tree.leaves(abstract_params), flags) if t) / 1e6:.3f}M trainable)"
   print(f"{param_count(abstract_params) / 1e6:.2f}M params{trainable}, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
         f"train {data.train_tokens.size:,} tokens, val {data.val_tokens.size:,} tokens, "
         f"unigram entropy {data.unigram_entropy:.3f} nats/token")
@@ -170,6 +176,24 @@ def adopt_source(cfg, workdir):
   target = os.path.join(workdir, TOKENIZER_FILENAME)
   if not cfg.data.tokenizer and not os.path.exists(target):
     shutil.copy(load.load_tokenizer(cfg.train.init_from, source_cfg).path, target)
+
+
+def check_same_optimizer(cfg, saved, path):
+  """A resumed run must build the optimiser state it saved: same optim.name and optim.trainable."""
+  for field, default in (("name", "adamw"), ("trainable", "all")):
+    before, now = saved.get("optim", {}).get(field, default), cfg.optim.get(field, default)
+    if before != now:
+      raise ConfigError(f"optim.{field}: {path} was saved with optim.{field}={before!r}, this config says {now!r}; "
+                        f"resume with {before!r}, or start a new workdir with "
+                        f"train.init_from={os.path.dirname(os.path.dirname(path))} to continue from its params.")
+
+
+def check_trains_embeddings(trains, trainable):
+  """TST's re-init ablation gives phase 2 a fresh embedding and LM head: they must train."""
+  frozen = [k for k in phases.EMBEDDING_PARAMS if k in trains and not all(jax.tree.leaves(trains[k]))]
+  if frozen:
+    raise ConfigError(f"optim.trainable={trainable!r} freezes {frozen}, which tst.reinit_embeddings_at_switch "
+                      "re-initialises at the switch: they would stay random. Train them, or turn the re-init off.")
 
 
 def param_count(abstract_params):
