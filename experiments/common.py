@@ -122,8 +122,8 @@ def provenance(root):
           f"jax {jax.__version__} ({jax.default_backend()}), from the runs under `{root}`.")
 
 
-def write_results(stem, table, runs, header, root, key="val_loss", x="tokens", columns=None, footer=""):
-  """Markdown table + JSON + a plot of `key` against `x` (tokens or flops), in experiments/results/.
+def write_results(stem, table, runs, header, root, key="val_loss", x="tokens", columns=None, footer="", plot_key=None):
+  """Markdown table + JSON + a plot of `plot_key` (default `key`) against `x` (tokens or flops), in experiments/results/.
 
   `columns` {title: {run name: text}} adds columns to the table; `footer` is markdown after it,
   then the provenance line and, if there is one, the hand-written results/STEM_notes.md (what
@@ -157,11 +157,11 @@ def write_results(stem, table, runs, header, root, key="val_loss", x="tokens", c
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, (name, by_seed) in enumerate(runs.items()):
     for j, rows in enumerate(by_seed.values()):
-      pts = [(r[x], r[key]) for r in rows if key in r]
+      pts = [(r[x], r[plot_key or key]) for r in rows if (plot_key or key) in r]
       ax.plot(*zip(*pts), color=f"C{i % 10}", linestyle="-" if i < 10 else "--", alpha=0.8,
               label=name if j == 0 else None)
   ax.set_xlabel({"tokens": "training tokens", "flops": "training FLOPs"}[x])
-  ax.set_ylabel(key)
+  ax.set_ylabel(plot_key or key)
   ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(RESULTS, f"{stem}.png"), dpi=120)

@@ -96,6 +96,8 @@ def check_choice(value, field, choices):
 
 def validate(cfg):
   """Reject impossible settings before anything is traced."""
+  if "drafter" in cfg:  # a drafter config (configs/tiny_drafter.py), not a training one
+    return validate_drafter(cfg)
   for section in ("model", "data", "train", "optim", "mesh", "kernels"):
     check(section in cfg, section, "missing section; start from configs/tiny.py.")
   m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
@@ -304,3 +306,23 @@ def parse_cli(argv):
     else:
       flags[name.replace("-", "_")] = value
   return path, overrides, flags
+
+
+def validate_drafter(cfg):
+  """A block-drafter config (`python -m latent_jax.draft`, docs/ncp.md); the target is checked when loaded."""
+  for section in ("drafter", "train", "eval"):
+    check(section in cfg, section, "missing section; start from configs/tiny_drafter.py.")
+  d, t, e = cfg.drafter, cfg.train, cfg.eval
+  check(isinstance(cfg.get("target"), str) and cfg.target.strip() != "", "target",
+        "is empty; give the workdir or export folder of a trained model (--config.target=runs/ncp).")
+  check_choice(d.concept, "drafter.concept", ("none", "predicted", "pooled"))
+  check_choice(d.labels, "drafter.labels", ("data", "target"))
+  for field, value in [("drafter.block_size", d.block_size), ("drafter.num_layers", d.num_layers),
+                       ("drafter.context", d.context), ("train.steps", t.steps), ("train.batch_size", t.batch_size),
+                       ("train.anchors", t.anchors), ("train.log_every", t.log_every), ("eval.prompts", e.prompts),
+                       ("eval.prompt_len", e.prompt_len), ("eval.max_new_tokens", e.max_new_tokens),
+                       ("eval.batches", e.batches)]:
+    check(isinstance(value, int) and value >= 1, field, f"must be a positive integer, got {value!r}.")
+  check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}.")
+  check(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"{t.warmup_steps} must lie in [0, train.steps={t.steps}).")
+  return cfg

@@ -1,26 +1,40 @@
 """python -m latent_jax.generate --workdir DIR --prompt "..." [--max_new_tokens=200]
-   [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0] [--num_samples=1] [--step=N]"""
+   [--temperature=0.8] [--top_k=0] [--top_p=0.95] [--seed=0] [--num_samples=1] [--step=N]
+   [--drafter DRAFTER_DIR --temperature=0]
+
+--drafter: greedy speculative decoding with a block drafter trained by `python -m latent_jax.draft`
+(the same text as plain greedy decoding; prints the mean accepted length)."""
 import sys
 
 import jax
 import jax.numpy as jnp
 
 from latent_jax.config import parse_cli
+from latent_jax.draft import load_drafter
 from latent_jax.infer import generate, load_model
+from latent_jax.infer.speculative import speculative_generate
 
 
 def main(argv):
   _, _, flags = parse_cli(argv)
   if "workdir" not in flags:
     raise SystemExit(__doc__)
-  model, _, tokenizer = load_model(flags["workdir"], int(flags["step"]) if "step" in flags else None)
+  model, cfg, tokenizer = load_model(flags["workdir"], int(flags["step"]) if "step" in flags else None)
   prompt = tokenizer.encode(flags.get("prompt", ""))
   if not prompt:
     prompt = [tokenizer.eos_id]  # an empty prompt starts a fresh document
-  n = int(flags.get("num_samples", 1))
-  out = generate(model, jnp.asarray([prompt] * n), int(flags.get("max_new_tokens", 200)),
-                 jax.random.key(int(flags.get("seed", 0))), float(flags.get("temperature", 0.8)),
-                 int(flags.get("top_k", 0)), float(flags.get("top_p", 0.95)))
+  n, new, temperature = int(flags.get("num_samples", 1)), int(flags.get("max_new_tokens", 200)), float(
+      flags.get("temperature", 0.8))
+  if "drafter" in flags:
+    if temperature != 0:
+      raise ValueError(f"--drafter decodes greedily (exact-match verification); add --temperature=0, not {temperature}.")
+    drafter, drafter_cfg = load_drafter(flags["drafter"], cfg.model)
+    out, committed, rounds = speculative_generate(model, drafter, jnp.asarray([prompt] * n), new,
+                                                  drafter_cfg.drafter.concept)
+    print(f"mean accepted length {float(committed.sum() / rounds.sum()):.3f} over {int(rounds.sum())} rounds")
+  else:
+    out = generate(model, jnp.asarray([prompt] * n), new, jax.random.key(int(flags.get("seed", 0))), temperature,
+                   int(flags.get("top_k", 0)), float(flags.get("top_p", 0.95)))
   for row in out.tolist():
     row = row[len(prompt):]
     if tokenizer.eos_id in row:  # a document ends at EOS

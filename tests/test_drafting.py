@@ -1,0 +1,284 @@
+"""Concept-injected block drafting (NCP Sec. 5.3): Eq. 26 and the acceptance rule against NumPy, the
+concept signal's index map, the zero-gate start, no look-ahead, speculative decoding that returns
+exactly the target's greedy tokens, and the train-and-measure command on a trained ConceptLM."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import ROOT, TINY_OVERRIDES
+from latent_jax import ConfigError, load_config
+from latent_jax.infer.speculative import speculative_generate
+from latent_jax.nn.drafter import BlockDrafter, draft, target_features
+from latent_jax.ops import drafting as D
+from test_generate_concept import TINY_NCP, random_model
+
+DRAFTER = os.path.join(ROOT, "configs", "tiny_drafter.py")
+
+
+def drafter_cfg(concept="predicted", block_size=3, context=5):
+  return load_config(DRAFTER, ["target=unused", f"drafter.concept={concept}", f"drafter.block_size={block_size}",
+                               f"drafter.context={context}", "drafter.num_layers=2"])
+
+
+def random_drafter(target_cfg, concept, seed=0, gate_std=0.0, **kw):
+  drafter = BlockDrafter(target_cfg, drafter_cfg(concept, **kw).drafter, nnx.Rngs(seed))
+  if concept != "none" and gate_std:
+    drafter.gate[...] = jax.random.normal(jax.random.key(seed + 1), drafter.gate.shape) * gate_std
+  return drafter
+
+
+def proposals(target, drafter, tokens, anchors, concept):
+  """The drafter's logits [B, A, K, V] at anchors [B, A] after one target pass over tokens [B, T], compiled."""
+  (target_graph, target_params), (drafter_graph, drafter_params) = nnx.split(target), nnx.split(drafter)
+
+  @jax.jit
+  def run(target_params, drafter_params, tokens, anchors):
+    target = nnx.merge(target_graph, target_params)
+    _, hidden, concepts = target_features(target, tokens, concept=concept)
+    return draft(nnx.merge(drafter_graph, drafter_params), target, hidden, concepts, tokens, jnp.zeros_like(tokens),
+                 anchors)
+  return run(target_params, drafter_params, jnp.asarray(tokens), jnp.asarray(anchors))
+
+
+# ------------------------------------------------------------------------------------ pure functions
+
+
+def test_accepted_length_and_mal_against_numpy():
+  rng = np.random.default_rng(0)
+  greedy = rng.integers(0, 3, size=(50, 6))
+  draft = np.where(rng.random((50, 5)) < 0.7, greedy[:, :5], rng.integers(0, 3, size=(50, 5)))
+  want = []
+  for d, g in zip(draft, greedy):
+    n = 0
+    while n < 5 and d[n] == g[n]:
+      n += 1
+    want.append(n)
+  got = np.asarray(D.accepted_length(jnp.asarray(draft), jnp.asarray(greedy)))
+  np.testing.assert_array_equal(got, want)
+  assert set(got.tolist()) == set(range(6))  # none, some and all of the draft accepted
+  committed, rounds = np.array([7, 3]), np.array([2, 3])
+  assert float(D.mean_accepted_length(jnp.asarray(committed), jnp.asarray(rounds))) == pytest.approx(10 / 5)
+
+
+def test_concept_gate_is_eq26():
+  rng = np.random.default_rng(1)
+  s, c = rng.normal(size=(4, 3, 8)), rng.normal(size=(4, 8))
+  c[1] = 0.0  # no complete chunk yet: nothing is added
+  g, scale = rng.normal(size=8), rng.normal(size=8)
+  want = s + (np.tanh(g) * c / np.sqrt(np.mean(c ** 2, -1, keepdims=True) + 1e-6) * scale)[:, None]
+  got = D.concept_gate(jnp.asarray(s, jnp.float32), jnp.asarray(c, jnp.float32), jnp.asarray(g, jnp.float32),
+                       jnp.asarray(scale, jnp.float32), 1e-6)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got[1], s[1].astype(np.float32))
+
+
+def test_context_and_labels_stay_in_the_row_and_the_document():
+  rng = np.random.default_rng(2)
+  tokens = rng.integers(0, 50, size=(2, 12))
+  segs = np.array([[1] * 5 + [2] * 7, [1] * 12])
+  hidden = rng.normal(size=(2, 12, 3))
+  anchors = np.array([[0, 4, 6, 11], [1, 5, 9, 11]])
+  w, k = 4, 3
+  context, valid = D.draft_context(jnp.asarray(hidden), jnp.asarray(segs), jnp.asarray(anchors), w)
+  labels = D.draft_labels(jnp.asarray(tokens), jnp.asarray(segs), jnp.asarray(anchors), k)
+  for b in range(2):
+    for i, a in enumerate(anchors[b]):
+      for j, p in enumerate(range(a - w, a)):
+        ok = p >= 0 and segs[b, p] == segs[b, a]
+        assert bool(valid[b, i, j]) == ok
+        if ok:
+          np.testing.assert_allclose(context[b, i, j], hidden[b, p])
+      for j, p in enumerate(range(a + 1, a + 1 + k)):
+        ok = p < 12 and segs[b, p] == segs[b, a]
+        assert int(labels[b, i, j]) == (tokens[b, p] if ok else -1)
+
+
+# ------------------------------------------------------------------------------------ the drafter
+
+
+def test_concept_signal_follows_the_injection_index_map():
+  """'predicted' at token t is the mixture ConceptLM injects there (p_{(t+1)//k-1}, the seed's table:
+  tokens 1-3 get zero, 4-7 p_1, ...); 'pooled' is the same chunk's pooled concept."""
+  graphdef, params = random_model()
+  target = nnx.merge(graphdef, params)
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, size=(2, 14)))
+  out = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
+  k = target.cfg.chunk_size
+  for mode, source in [("predicted", out.aux["predicted"]), ("pooled", out.aux["concepts"])]:
+    _, _, signal = jax.jit(lambda p, t: target_features(nnx.merge(graphdef, p), t, concept=mode))(params, tokens)
+    for t in range(14):
+      m = (t + 1) // k - 1
+      want = np.zeros_like(signal[:, t]) if m < 0 else source[:, m]
+      np.testing.assert_allclose(signal[:, t], want, rtol=1e-6, atol=1e-6, err_msg=f"{mode} t={t}")
+
+
+def test_zero_gates_are_the_baseline_drafter_and_trained_gates_are_not():
+  graphdef, params = random_model()
+  target = nnx.merge(graphdef, params)
+  tokens = np.random.default_rng(5).integers(0, 64, size=(2, 14))
+  # Anchors 1 and 2 come before the first complete chunk (k=4): no concept, gated or not.
+  anchors = np.array([[1, 2, 5, 9, 13], [2, 1, 8, 12, 6]])
+  base = proposals(target, random_drafter(target.cfg, "none"), tokens, anchors, "none")
+  injected = proposals(target, random_drafter(target.cfg, "predicted"), tokens, anchors, "predicted")
+  np.testing.assert_array_equal(base, injected)
+  gated = proposals(target, random_drafter(target.cfg, "predicted", gate_std=1.0), tokens, anchors, "predicted")
+  np.testing.assert_allclose(gated[:, :2], base[:, :2], rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(gated[:, 2:] - base[:, 2:])).max() > 1e-3
+
+
+def test_a_proposal_never_reads_past_its_anchor():
+  """The drafter at anchor a reads the target's states before a, x_a and the concept of the last
+  complete chunk before a: changing any token after a changes nothing."""
+  graphdef, params = random_model()
+  target = nnx.merge(graphdef, params)
+  drafter = random_drafter(target.cfg, "predicted", gate_std=1.0)
+  rng = np.random.default_rng(6)
+  tokens = rng.integers(0, 64, size=16)
+  rows, anchors = [], []
+  for a in (3, 4, 8, 11):  # each anchor: the row, and the row with every token after a redrawn
+    changed = tokens.copy()
+    changed[a + 1:] = rng.integers(0, 64, size=15 - a)
+    rows += [tokens, changed]
+    anchors += [[a], [a]]
+  got = np.asarray(proposals(target, drafter, np.stack(rows), np.array(anchors), "predicted"))
+  np.testing.assert_allclose(got[0::2], got[1::2], rtol=1e-5, atol=1e-5)
+  assert np.abs(got[0] - got[2]).max() > 1e-3  # and the anchor itself does matter
+
+
+# ------------------------------------------------------------------------------------ speculative decoding
+
+
+def greedy_by_full_forwards(target, prompt, new):
+  forward = jax.jit(lambda t: target(t).logits)
+  out = np.zeros((prompt.shape[0], prompt.shape[1] + new), np.int32)
+  out[:, :prompt.shape[1]] = prompt
+  for i in range(prompt.shape[1], out.shape[1]):
+    out[:, i] = np.argmax(forward(jnp.asarray(out))[:, i - 1], axis=-1)
+  return out
+
+
+@pytest.mark.parametrize("target_name,concept", [("concept", "predicted"), ("concept", "pooled"),
+                                                 ("baseline", "none")])
+def test_speculative_decoding_returns_the_targets_greedy_tokens(target_name, concept, tiny_cfg):
+  if target_name == "concept":
+    graphdef, params = random_model()
+    target = nnx.merge(graphdef, params)
+  else:
+    from latent_jax import build_model
+    target = build_model(tiny_cfg.model, nnx.Rngs(0))
+  prompt = np.random.default_rng(7).integers(0, 64, size=(3, 6))
+  want = greedy_by_full_forwards(target, prompt, 13)
+  drafter = random_drafter(target.cfg, concept, gate_std=1.0)
+  got, committed, rounds = speculative_generate(target, drafter, prompt, 13, concept)
+  np.testing.assert_array_equal(got, want)
+  # Every round commits 1..K+1 tokens, and together they cover the 12 tokens after the prefill's.
+  assert np.all(np.asarray(committed) >= 12) and np.all(np.asarray(committed) <= 12 + drafter.block_size)
+  assert np.all(np.asarray(rounds) >= 1) and np.all(np.asarray(committed) <= np.asarray(rounds) * (drafter.block_size + 1))
+
+
+def test_rounds_and_commits_against_a_replay():
+  """The bookkeeping of Eq. 27: a drafter that always proposes token 0 (its final norm zeroed), replayed
+  by hand against the target's greedy tokens; and a target that always says 0 accepts every block."""
+  graphdef, params = random_model()
+  target = nnx.merge(graphdef, params)
+  k, new = 3, 20
+  drafter = random_drafter(target.cfg, "none", block_size=k)
+  drafter.final_norm.scale[...] = jnp.zeros_like(drafter.final_norm.scale[...])
+  prompt = np.random.default_rng(8).integers(0, 64, size=(2, 6))
+  # Swap the target's most frequent greedy token with token 0, so that blocks are partly accepted.
+  c = np.bincount(greedy_by_full_forwards(target, prompt, new)[:, 6:].ravel()).argmax()
+  swap = np.arange(64)
+  swap[[0, c]] = [c, 0]
+  target.lm_head[...], target.embed[...] = target.lm_head[...][:, swap], target.embed[...][swap]
+  prompt = swap[prompt]
+  want = greedy_by_full_forwards(target, prompt, new + k + 1)  # the last round may verify past `new`
+  tokens, committed, rounds = speculative_generate(target, drafter, prompt, new, "none")
+  np.testing.assert_array_equal(tokens, want[:, :6 + new])
+  for b in range(2):
+    a, total, n = 6, 0, 0  # x_6 comes from the prefill; a round at anchor a proposes a+1..a+k
+    while a - 6 + 1 < new:
+      m = 0
+      while m < k and want[b, a + 1 + m] == 0:
+        m += 1
+      total, n, a = total + m + 1, n + 1, a + m + 1
+    assert (int(committed[b]), int(rounds[b])) == (total, n)
+  assert 0 < np.mean(want[:, 7:6 + new] == 0) < 1  # the replay saw accepted and rejected drafts
+  target.final_norm.scale[...] = jnp.zeros_like(target.final_norm.scale[...])  # greedy: always 0
+  tokens, committed, rounds = speculative_generate(target, drafter, prompt, new, "none")
+  assert np.all(np.asarray(tokens[:, 6:]) == 0)
+  np.testing.assert_array_equal(rounds, [-(-(new - 1) // (k + 1))] * 2)
+  np.testing.assert_array_equal(committed, rounds * (k + 1))
+
+
+# ------------------------------------------------------------------------------------ config and command
+
+
+def test_bad_drafter_settings_are_named_before_anything_runs(tmp_path, tiny_cfg):
+  with pytest.raises(ConfigError, match="drafter.concept"):
+    load_config(DRAFTER, ["target=x", "drafter.concept=mixture"])
+  with pytest.raises(ConfigError, match="target"):
+    load_config(DRAFTER, [])
+  with pytest.raises(ConfigError, match="drafter.block_size"):
+    load_config(DRAFTER, ["target=x", "drafter.block_size=0"])
+  from latent_jax.draft import run
+  with pytest.raises(FileNotFoundError, match="train first"):
+    run(load_config(DRAFTER, [f"target={tmp_path / 'nothing'}"]), str(tmp_path / "out"))
+
+
+
+
+def test_a_baseline_target_has_no_concept_signal(tiny_cfg):
+  from latent_jax import build_model
+  target = build_model(tiny_cfg.model, nnx.Rngs(0))
+  with pytest.raises(ValueError, match="drafter.concept='none'"):
+    target_features(target, jnp.zeros((1, 8), jnp.int32), concept="predicted")
+
+
+def test_draft_command_trains_measures_saves_and_loads(tmp_path, corpus_dir, capsys):
+  """python -m latent_jax.draft on a trained ConceptLM: the result file, a saved drafter that loads
+  and decodes like the one measured, and a second run that refuses to overwrite it."""
+  from latent_jax.draft import load_drafter, main
+  from latent_jax.infer import load_model
+  from latent_jax.train.loop import train
+  extra = ["model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=1", "model.concept_layers=1",
+           "model.decoder_layers=1", "train.steps=2", "optim.warmup_steps=1", "train.eval_every=0",
+           "train.checkpoint_every=2", f"data.source={corpus_dir}"]
+  train(load_config(TINY_NCP, TINY_OVERRIDES + extra), str(tmp_path / "target"))
+  args = ["--config", DRAFTER, "--workdir", str(tmp_path / "drafter"), f"--config.target={tmp_path / 'target'}",
+          "--config.train.steps=3", "--config.train.warmup_steps=1", "--config.train.batch_size=4",
+          "--config.train.anchors=4", "--config.drafter.block_size=3", "--config.drafter.context=4",
+          "--config.drafter.labels=target", "--config.eval.batches=1", "--config.eval.prompts=3",
+          "--config.eval.prompt_len=6", "--config.eval.max_new_tokens=7"]
+  main(args)
+  printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  with open(tmp_path / "drafter" / "drafter.json") as f:
+    saved = json.load(f)
+  assert saved["config"]["drafter"]["labels"] == "target" and [r["step"] for r in saved["history"]][-1] == 3
+  assert printed["mal"] == saved["mal"] and 1 <= saved["mal"] <= 4 and len(saved["slot_accuracy"]) == 3
+  assert saved["committed"] >= 3 * 6 and saved["rounds"] >= 3 * 6 / 4  # 3 prompts, 6 tokens after the prefill each
+  target, target_cfg, _ = load_model(str(tmp_path / "target"))
+  drafter, cfg = load_drafter(str(tmp_path / "drafter"), target_cfg.model)
+  from latent_jax.draft import validation_prompts  # the measured prompts: the same MAL again
+  from latent_jax.data import build_data
+  data_cfg = target_cfg.copy_and_resolve_references()
+  data_cfg.data.tokenizer = str(tmp_path / "target" / "tokenizer.model")
+  prompts = validation_prompts(build_data(data_cfg, str(tmp_path / "scratch")), 3, 6)
+  _, committed, rounds = speculative_generate(target, drafter, prompts, 7, cfg.drafter.concept)
+  assert (int(committed.sum()), int(rounds.sum())) == (saved["committed"], saved["rounds"])
+  with pytest.raises(FileExistsError, match="never overwritten"):
+    main(args)
+  from latent_jax.generate import main as generate_main  # --drafter: the same text as greedy decoding
+  texts = []
+  for extra in ([], ["--drafter", str(tmp_path / "drafter")]):
+    capsys.readouterr()
+    generate_main(["--workdir", str(tmp_path / "target"), "--prompt", "Kar lon", "--temperature=0",
+                   "--max_new_tokens=12", *extra])
+    texts.append(capsys.readouterr().out)
+  assert texts[1].startswith("mean accepted length") and texts[1].split("\n", 1)[1] == texts[0]
+  with pytest.raises(ValueError, match="temperature=0"):
+    generate_main(["--workdir", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")])
