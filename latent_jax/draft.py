@@ -37,6 +37,8 @@ def drafter_loss(drafter, target, batch, anchors, concept, source="data"):
   if source == "target":  # the target's own greedy token at each position, from the true prefix before it
     tokens = jnp.concatenate([tokens[:, :1], jnp.argmax(target_logits[:, :-1], -1).astype(tokens.dtype)], axis=1)
   labels = D.draft_labels(tokens, batch["segment_ids"], anchors, drafter.block_size)
+  real, _ = D.gather_offsets(batch["targets"] >= 0, anchors, jnp.arange(drafter.block_size))  # not padding
+  labels = jnp.where(real, labels, -1)
   scored = labels >= 0
   ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.maximum(labels, 0))
   loss = jnp.sum(jnp.where(scored, ce, 0)) / jnp.maximum(jnp.sum(scored), 1)
@@ -108,16 +110,15 @@ def evaluate_drafter(target, drafter, cfg, data, seq_len):
 def run(cfg, workdir, log=print):
   """Train and measure a drafter for cfg.target; results in WORKDIR/drafter.json -> that dict."""
   out = os.path.join(workdir, "drafter.json")
-  if os.path.exists(out):
-    raise FileExistsError(f"{out} exists; pick another --workdir (an earlier result is never overwritten).")
-  target, target_cfg, _ = load.load_model(cfg.target)
+  for path in (out, os.path.join(workdir, "params")):
+    if os.path.exists(path):
+      raise FileExistsError(f"{path} exists; pick another --workdir (an earlier result is never overwritten).")
+  target, target_cfg, tokenizer = load.load_model(cfg.target)
   if cfg.drafter.concept != "none" and target_cfg.model.name != "concept":
     raise ConfigError(f"drafter.concept={cfg.drafter.concept!r} needs a ConceptLM target, but {cfg.target} is "
                       f"model.name={target_cfg.model.name!r}; use --config.drafter.concept=none.")
   data_cfg = target_cfg.copy_and_resolve_references()
-  data_cfg.data.tokenizer = os.path.join(cfg.target, "tokenizer.model")  # the target's ids, never retrained
-  if not os.path.isfile(data_cfg.data.tokenizer):
-    data_cfg.data.tokenizer = target_cfg.data.tokenizer
+  data_cfg.data.tokenizer = tokenizer.path  # the target's ids, never retrained
   data = build_data(data_cfg, workdir)
   start = time.time()
   drafter, history = train_drafter(target, cfg, data, target_cfg.data.seq_len, log)

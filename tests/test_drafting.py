@@ -232,6 +232,43 @@ def test_bad_drafter_settings_are_named_before_anything_runs(tmp_path, tiny_cfg)
 
 
 
+def test_the_loss_scores_only_real_next_tokens_of_the_document():
+  """drafter_loss: labels past the row, across a document boundary or on padding (target -1) are not
+  scored; with labels='target' they are the target's greedy tokens from the true prefix."""
+  from latent_jax.draft import drafter_loss
+  graphdef, params = random_model()
+  target = nnx.merge(graphdef, params)
+  drafter = random_drafter(target.cfg, "predicted", block_size=3)
+  rng = np.random.default_rng(9)
+  inputs = rng.integers(0, 64, size=(1, 14))
+  segs = np.array([[1] * 6 + [2] * 8])
+  targets = np.concatenate([inputs[:, 1:], [[-1]]], 1)
+  targets[:, 10:] = -1  # inputs 11.. are padding
+  batch = {"inputs": inputs, "targets": targets, "segment_ids": segs,
+           "positions": np.array([list(range(6)) + list(range(8))])}
+  batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+  anchors = jnp.asarray([[2, 4, 7, 9, 12]])
+  for source in ("data", "target"):
+    loss, (correct, scored) = jax.jit(lambda p, b: drafter_loss(drafter, nnx.merge(graphdef, p), b, anchors,
+                                                                 "predicted", source))(params, batch)
+    want = [[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]]  # x_{a+1..a+3} in the document, not padding
+    np.testing.assert_array_equal(scored[0], want)
+    assert np.isfinite(float(loss))
+  @jax.jit
+  def labelled(params, b):  # the target's greedy tokens, the proposals, and what the loss scored
+    model = nnx.merge(graphdef, params)
+    greedy = jnp.argmax(model(b["inputs"], b["segment_ids"], b["positions"]).logits, -1)
+    _, hidden, concepts = target_features(model, b["inputs"], b["segment_ids"], b["positions"], "predicted")
+    proposals = jnp.argmax(draft(drafter, model, hidden, concepts, b["inputs"], b["segment_ids"], anchors), -1)
+    return greedy, proposals, drafter_loss(drafter, model, b, anchors, "predicted", "target")[1]
+
+  greedy, proposals, (correct, scored) = labelled(params, batch)
+  for i, a in enumerate([2, 4, 7, 9, 12]):
+    for j in range(3):
+      if scored[0, i, j]:
+        assert bool(correct[0, i, j]) == (proposals[0, i, j] == greedy[0, a + j])
+
+
 def test_a_baseline_target_has_no_concept_signal(tiny_cfg):
   from latent_jax import build_model
   target = build_model(tiny_cfg.model, nnx.Rngs(0))
