@@ -21,6 +21,7 @@ from flax import nnx
 
 from latent_jax.config import ConfigError, load_config, parse_cli
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
+from latent_jax.data.pipeline import num_windows
 from latent_jax.infer import load
 from latent_jax.infer.speculative import speculative_generate
 from latent_jax.nn.drafter import BlockDrafter, draft, target_features
@@ -120,6 +121,10 @@ def run(cfg, workdir, log=print):
   data_cfg = target_cfg.copy_and_resolve_references()
   data_cfg.data.tokenizer = tokenizer.path  # the target's ids, never retrained
   data = build_data(data_cfg, workdir)
+  rows = num_windows(len(data.train_tokens), target_cfg.data.seq_len)
+  if rows < cfg.train.batch_size:
+    raise ConfigError(f"train.batch_size={cfg.train.batch_size}: the target's training split has only {rows} rows of "
+                      f"{target_cfg.data.seq_len} tokens; lower it.")
   start = time.time()
   drafter, history = train_drafter(target, cfg, data, target_cfg.data.seq_len, log)
   result = {"config": cfg.to_dict(), "history": history, "train_seconds": round(time.time() - start, 1),

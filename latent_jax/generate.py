@@ -13,6 +13,7 @@ from latent_jax.config import parse_cli
 from latent_jax.draft import load_drafter
 from latent_jax.infer import generate, load_model
 from latent_jax.infer.speculative import speculative_generate
+from latent_jax.ops.drafting import mean_accepted_length
 
 
 def main(argv):
@@ -31,7 +32,7 @@ def main(argv):
     drafter, drafter_cfg = load_drafter(flags["drafter"], cfg.model)
     out, committed, rounds = speculative_generate(model, drafter, jnp.asarray([prompt] * n), new,
                                                   drafter_cfg.drafter.concept)
-    print(f"mean accepted length {float(committed.sum() / rounds.sum()):.3f} over {int(rounds.sum())} rounds")
+    print(f"mean accepted length {float(mean_accepted_length(committed, rounds)):.3f} over {int(rounds.sum())} rounds")
   else:
     out = generate(model, jnp.asarray([prompt] * n), new, jax.random.key(int(flags.get("seed", 0))), temperature,
                    int(flags.get("top_k", 0)), float(flags.get("top_p", 0.95)))

@@ -274,6 +274,10 @@ def test_a_baseline_target_has_no_concept_signal(tiny_cfg):
   target = build_model(tiny_cfg.model, nnx.Rngs(0))
   with pytest.raises(ValueError, match="drafter.concept='none'"):
     target_features(target, jnp.zeros((1, 8), jnp.int32), concept="predicted")
+  drafter = random_drafter(target.cfg, "none")
+  for prompt, new in [(np.zeros((1, 0), np.int32), 4), (np.zeros((1, 3), np.int32), 0)]:
+    with pytest.raises(ValueError, match="at least one token"):
+      speculative_generate(target, drafter, prompt, new)
 
 
 def test_draft_command_trains_measures_saves_and_loads(tmp_path, corpus_dir, capsys):

@@ -31,8 +31,9 @@ def speculative_generate(target, drafter, prompt, max_new_tokens, concept="none"
   prompt = jnp.asarray(prompt, jnp.int32)
   b, p = prompt.shape
   k = drafter.block_size
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+  if max_new_tokens < 1 or p < 1:
+    raise ValueError(f"speculative decoding needs a prompt of at least one token (got {p}) and max_new_tokens >= 1 "
+                     f"(got {max_new_tokens}).")
   buf = jnp.zeros((b, p + max_new_tokens + k), jnp.int32).at[:, :p].set(prompt)
   target_graph, target_params = nnx.split(target)
   drafter_graph, drafter_params = nnx.split(drafter)
