@@ -20,8 +20,8 @@ def get_config():
   # Eq. 26's signal c: predicted (the concept mixture ConceptLM injects at the last verified token,
   # the default) | pooled (the mean-pooled concept of that same chunk) | none (the baseline drafter).
   c.drafter.concept = "predicted"
-  # What the K proposals learn: data (the row's next tokens) | target (the target's greedy tokens there,
-  # self-distillation; the paper does not say).
+  # What the K proposals learn (the paper does not say): data (the row's next tokens) | target (the
+  # target's greedy token at each of those positions, after the data before it: teacher-forced).
   c.drafter.labels = "data"
 
   c.train = ml_collections.ConfigDict()
@@ -35,7 +35,7 @@ def get_config():
 
   c.eval = ml_collections.ConfigDict()
   c.eval.batches = 4              # validation batches for the drafter's loss and per-slot accuracy
-  c.eval.prompts = 32             # validation documents whose first tokens prompt the speculative decoding
+  c.eval.prompts = 64             # validation documents whose first tokens prompt the speculative decoding
   c.eval.prompt_len = 32
   c.eval.max_new_tokens = 64
   return c

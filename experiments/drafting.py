@@ -40,7 +40,7 @@ def main():
   args = p.parse_args()
   name = "drafting" if args.labels == "data" else "drafting_target_labels"
   targets = run_seeds("ncp", "tiny_ncp.py", budget(args.steps), args.seeds, args.root)
-  smoke = [f"train.steps={args.steps}", "train.warmup_steps=1", "train.log_every=1", "eval.prompts=4",
+  smoke = [f"train.steps={args.steps}", "train.warmup_steps=0", "train.log_every=1", "eval.prompts=4",
            "eval.max_new_tokens=8", "eval.batches=1"] if args.steps else []
   runs = {arm: {} for arm in ARMS}
   for seed in targets:

@@ -26,16 +26,19 @@ from latent_jax.infer import load
 from latent_jax.infer.speculative import speculative_generate
 from latent_jax.nn.drafter import BlockDrafter, draft, target_features
 from latent_jax.ops import drafting as D
+from latent_jax.train.optim import decays, is_axes
+from latent_jax.train.step import axes_tree
 
 
-def drafter_loss(drafter, target, batch, anchors, concept, source="data"):
+def drafter_loss(drafter, target, batch, anchors, source="data"):
   """Mean CE of the drafter's K proposals at anchors [B, A] against the row's next K tokens ('data') or
   the target's greedy tokens there ('target') -> (loss, (correct [B, A, K], scored [B, A, K]))."""
   tokens = batch["inputs"]
-  target_logits, hidden, concepts = target_features(target, tokens, batch["segment_ids"], batch["positions"], concept)
+  target_logits, hidden, concepts = target_features(target, tokens, batch["segment_ids"], batch["positions"],
+                                                    drafter.concept)
   hidden, concepts = jax.lax.stop_gradient((hidden, concepts))
   logits = draft(drafter, target, hidden, concepts, tokens, batch["segment_ids"], anchors)
-  if source == "target":  # the target's own greedy token at each position, from the true prefix before it
+  if source == "target":  # the target's greedy token at each position after the data before it (teacher-forced)
     tokens = jnp.concatenate([tokens[:, :1], jnp.argmax(target_logits[:, :-1], -1).astype(tokens.dtype)], axis=1)
   labels = D.draft_labels(tokens, batch["segment_ids"], anchors, drafter.block_size)
   real, _ = D.gather_offsets(batch["targets"] >= 0, anchors, jnp.arange(drafter.block_size))  # not padding
@@ -48,19 +51,20 @@ def drafter_loss(drafter, target, batch, anchors, concept, source="data"):
 
 def train_drafter(target, cfg, data, seq_len, log=print):
   """A drafter trained on the target's training rows of seq_len tokens -> (drafter, [{step, loss}])."""
-  t, concept = cfg.train, cfg.drafter.concept
-  drafter = BlockDrafter(target.cfg, cfg.drafter, nnx.Rngs(t.seed))
-  graphdef, params = nnx.split(drafter)
+  t = cfg.train
+  graphdef, state = nnx.split(BlockDrafter(target.cfg, cfg.drafter, nnx.Rngs(t.seed)))
+  params = nnx.to_pure_dict(state)
   target_graph, target_params = nnx.split(target)
   schedule = optax.warmup_cosine_decay_schedule(0.0, t.lr, t.warmup_steps, t.steps, t.lr * 0.1)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1))
+  decay = jax.tree.map(decays, axes_tree(state), is_leaf=is_axes)  # matrices only: not norms, gates, the mask
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1, mask=decay))
   opt_state = tx.init(params)
 
   @jax.jit
   def step(params, opt_state, target_params, batch, key):
     anchors = jax.random.randint(key, (batch["inputs"].shape[0], t.anchors), 1, batch["inputs"].shape[1])
     loss_fn = lambda p: drafter_loss(nnx.merge(graphdef, p), nnx.merge(target_graph, target_params), batch, anchors,
-                                     concept, cfg.drafter.labels)[0]
+                                     cfg.drafter.labels)[0]
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
@@ -89,21 +93,21 @@ def validation_prompts(data, count, length):
 def evaluate_drafter(target, drafter, cfg, data, seq_len):
   """The drafter on held-out text: loss and accuracy per block slot (teacher-forced, anchors every
   few tokens), and MAL (Eq. 27) of greedy speculative decoding from validation prompts."""
-  e, concept = cfg.eval, cfg.drafter.concept
+  e = cfg.eval
   stride = max(1, (seq_len - 1) // cfg.train.anchors)
-  losses, correct, scored = [], 0, 0
+  total, correct, scored = 0.0, 0, 0
   (drafter_graph, drafter_params), (target_graph, target_params) = nnx.split(drafter), nnx.split(target)
   scores = jax.jit(lambda dp, tp, batch, anchors: drafter_loss(nnx.merge(drafter_graph, dp), nnx.merge(target_graph, tp),
-                                                               batch, anchors, concept, cfg.drafter.labels))
+                                                               batch, anchors, cfg.drafter.labels))
   for batch in make_val_batches(data, seq_len, cfg.train.batch_size, e.batches):
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
     anchors = jnp.broadcast_to(jnp.arange(1, seq_len, stride), (batch["inputs"].shape[0], len(range(1, seq_len, stride))))
     loss, (hit, mask) = scores(drafter_params, target_params, batch, anchors)
-    losses.append(float(loss))
+    total += float(loss) * float(jnp.sum(mask))  # weighted by the scored labels: padding counts for nothing
     correct, scored = correct + np.asarray(jnp.sum(hit & mask, (0, 1))), scored + np.asarray(jnp.sum(mask, (0, 1)))
   prompts = validation_prompts(data, e.prompts, e.prompt_len)
-  _, committed, rounds = speculative_generate(target, drafter, prompts, e.max_new_tokens, concept)
-  return {"val_loss": float(np.mean(losses)), "slot_accuracy": (correct / np.maximum(scored, 1)).round(4).tolist(),
+  _, committed, rounds = speculative_generate(target, drafter, prompts, e.max_new_tokens)
+  return {"val_loss": total / max(int(np.sum(scored)), 1), "slot_accuracy": (correct / np.maximum(scored, 1)).round(4).tolist(),
           "mal": float(D.mean_accepted_length(committed, rounds)), "prompts": len(prompts),
           "rounds": int(jnp.sum(rounds)), "committed": int(jnp.sum(committed))}
 
@@ -127,7 +131,7 @@ def run(cfg, workdir, log=print):
                       f"{target_cfg.data.seq_len} tokens; lower it.")
   start = time.time()
   drafter, history = train_drafter(target, cfg, data, target_cfg.data.seq_len, log)
-  result = {"config": cfg.to_dict(), "history": history, "train_seconds": round(time.time() - start, 1),
+  result = {"config": cfg.to_dict(), "target_model": target_identity(target_cfg.model), "history": history, "train_seconds": round(time.time() - start, 1),
             **evaluate_drafter(target, drafter, cfg, data, target_cfg.data.seq_len)}
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.abspath(os.path.join(workdir, "params")), nnx.to_pure_dict(nnx.state(drafter)))
@@ -137,16 +141,25 @@ def run(cfg, workdir, log=print):
   return result
 
 
+def target_identity(model_cfg):
+  """What a drafter depends on in its target's model config: a drafter fits only a target that matches."""
+  fields = ("name", "vocab_size", "d_model", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "chunk_size")
+  return {f: model_cfg.get(f) for f in fields}
+
+
 def load_drafter(workdir, target_cfg):
   """(drafter, drafter config) saved by `run` in workdir, for a target of model config target_cfg."""
   path = os.path.join(workdir, "drafter.json")
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no drafter.json in {workdir!r}; train a drafter first (python -m latent_jax.draft ...).")
   with open(path) as f:
-    cfg = ml_collections.ConfigDict(json.load(f)["config"])
-  if target_cfg.name == "baseline" and cfg.drafter.concept != "none":
-    raise ValueError(f"the drafter in {workdir} reads concepts (drafter.concept={cfg.drafter.concept!r}); "
-                     f"this target is a baseline model. It was trained for {cfg.target}.")
+    saved = json.load(f)
+  cfg = ml_collections.ConfigDict(saved["config"])
+  differ = {f: (v, target_cfg.get(f)) for f, v in saved["target_model"].items() if target_cfg.get(f) != v}
+  if differ:
+    raise ValueError(f"the drafter in {workdir} was trained for {cfg.target}, whose model differs from this one in "
+                     + ", ".join(f"model.{f} ({a!r} there, {b!r} here)" for f, (a, b) in differ.items())
+                     + "; train a drafter for this model.")
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: BlockDrafter(target_cfg, cfg.drafter, nnx.Rngs(0))))
   params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(workdir, "params")),
                                               nnx.to_pure_dict(abstract))

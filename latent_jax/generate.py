@@ -29,9 +29,8 @@ def main(argv):
   if "drafter" in flags:
     if temperature != 0:
       raise ValueError(f"--drafter decodes greedily (exact-match verification); add --temperature=0, not {temperature}.")
-    drafter, drafter_cfg = load_drafter(flags["drafter"], cfg.model)
-    out, committed, rounds = speculative_generate(model, drafter, jnp.asarray([prompt] * n), new,
-                                                  drafter_cfg.drafter.concept)
+    drafter, _ = load_drafter(flags["drafter"], cfg.model)
+    out, committed, rounds = speculative_generate(model, drafter, jnp.asarray([prompt] * n), new)
     print(f"mean accepted length {float(mean_accepted_length(committed, rounds)):.3f} over {int(rounds.sum())} rounds")
   else:
     out = generate(model, jnp.asarray([prompt] * n), new, jax.random.key(int(flags.get("seed", 0))), temperature,

@@ -121,33 +121,44 @@ def test_zero_gates_are_the_baseline_drafter_and_trained_gates_are_not():
   graphdef, params = random_model()
   target = nnx.merge(graphdef, params)
   tokens = np.random.default_rng(5).integers(0, 64, size=(2, 14))
-  # Anchors 1 and 2 come before the first complete chunk (k=4): no concept, gated or not.
-  anchors = np.array([[1, 2, 5, 9, 13], [2, 1, 8, 12, 6]])
+  # k = 4: anchors 1-3 have no complete chunk among the positions the target has read (< a), so no
+  # concept, gated or not; from anchor 4 on the signal is there.
+  anchors = np.array([[1, 2, 3, 4, 9, 13], [3, 1, 2, 4, 8, 12]])
   base = proposals(target, random_drafter(target.cfg, "none"), tokens, anchors, "none")
   injected = proposals(target, random_drafter(target.cfg, "predicted"), tokens, anchors, "predicted")
   np.testing.assert_array_equal(base, injected)
   gated = proposals(target, random_drafter(target.cfg, "predicted", gate_std=1.0), tokens, anchors, "predicted")
-  np.testing.assert_allclose(gated[:, :2], base[:, :2], rtol=1e-5, atol=1e-5)
-  assert np.abs(np.asarray(gated[:, 2:] - base[:, 2:])).max() > 1e-3
+  np.testing.assert_allclose(gated[:, :3], base[:, :3], rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(gated[:, 3:] - base[:, 3:])).max(axis=(2, 3)).min() > 1e-3
+  with pytest.raises(ValueError, match="concept signal"):
+    proposals(target, random_drafter(target.cfg, "none"), tokens, anchors, "predicted")
 
 
-def test_a_proposal_never_reads_past_its_anchor():
-  """The drafter at anchor a reads the target's states before a, x_a and the concept of the last
-  complete chunk before a: changing any token after a changes nothing."""
+def test_a_proposal_reads_only_what_the_target_has_verified():
+  """At anchor a the target has read only x_0..x_{a-1} (x_a is its own unread token; in decoding its
+  state at a belongs to a draft that may be rejected): the drafter's logits must not change when the
+  target's states and concept signals at positions >= a are replaced by noise, and must change with x_a."""
   graphdef, params = random_model()
   target = nnx.merge(graphdef, params)
   drafter = random_drafter(target.cfg, "predicted", gate_std=1.0)
   rng = np.random.default_rng(6)
-  tokens = rng.integers(0, 64, size=16)
-  rows, anchors = [], []
-  for a in (3, 4, 8, 11):  # each anchor: the row, and the row with every token after a redrawn
-    changed = tokens.copy()
-    changed[a + 1:] = rng.integers(0, 64, size=15 - a)
-    rows += [tokens, changed]
-    anchors += [[a], [a]]
-  got = np.asarray(proposals(target, drafter, np.stack(rows), np.array(anchors), "predicted"))
-  np.testing.assert_allclose(got[0::2], got[1::2], rtol=1e-5, atol=1e-5)
-  assert np.abs(got[0] - got[2]).max() > 1e-3  # and the anchor itself does matter
+  tokens = jnp.asarray(rng.integers(0, 64, size=(1, 16)))
+  d_graph, d_params = nnx.split(drafter)
+
+  @jax.jit
+  def logits(d_params, tokens, anchor, noise):
+    _, hidden, concepts = target_features(target, tokens, concept="predicted")
+    later = (jnp.arange(16) >= anchor)[None, :, None]
+    hidden, concepts = jnp.where(later, noise, hidden), jnp.where(later, -noise, concepts)
+    return draft(nnx.merge(d_graph, d_params), target, hidden, concepts, tokens, jnp.zeros_like(tokens),
+                 jnp.full((1, 1), anchor))
+
+  for a in (3, 4, 5, 8, 11):
+    clean = logits(d_params, tokens, a, jnp.zeros((1, 16, target.cfg.d_model)))
+    noisy = logits(d_params, tokens, a, jnp.asarray(rng.normal(size=(1, 16, target.cfg.d_model)) * 3, jnp.float32))
+    np.testing.assert_allclose(clean, noisy, rtol=1e-5, atol=1e-5, err_msg=f"anchor {a}")
+    other = tokens.at[0, a].set((tokens[0, a] + 1) % 64)
+    assert np.abs(np.asarray(logits(d_params, other, a, jnp.zeros((1, 16, target.cfg.d_model))) - clean)).max() > 1e-3
 
 
 # ------------------------------------------------------------------------------------ speculative decoding
@@ -174,7 +185,7 @@ def test_speculative_decoding_returns_the_targets_greedy_tokens(target_name, con
   prompt = np.random.default_rng(7).integers(0, 64, size=(3, 6))
   want = greedy_by_full_forwards(target, prompt, 13)
   drafter = random_drafter(target.cfg, concept, gate_std=1.0)
-  got, committed, rounds = speculative_generate(target, drafter, prompt, 13, concept)
+  got, committed, rounds = speculative_generate(target, drafter, prompt, 13)
   np.testing.assert_array_equal(got, want)
   # Every round commits 1..K+1 tokens, and together they cover the 12 tokens after the prefill's.
   assert np.all(np.asarray(committed) >= 12) and np.all(np.asarray(committed) <= 12 + drafter.block_size)
@@ -197,7 +208,7 @@ def test_rounds_and_commits_against_a_replay():
   target.lm_head[...], target.embed[...] = target.lm_head[...][:, swap], target.embed[...][swap]
   prompt = swap[prompt]
   want = greedy_by_full_forwards(target, prompt, new + k + 1)  # the last round may verify past `new`
-  tokens, committed, rounds = speculative_generate(target, drafter, prompt, new, "none")
+  tokens, committed, rounds = speculative_generate(target, drafter, prompt, new)
   np.testing.assert_array_equal(tokens, want[:, :6 + new])
   for b in range(2):
     a, total, n = 6, 0, 0  # x_6 comes from the prefill; a round at anchor a proposes a+1..a+k
@@ -209,7 +220,7 @@ def test_rounds_and_commits_against_a_replay():
     assert (int(committed[b]), int(rounds[b])) == (total, n)
   assert 0 < np.mean(want[:, 7:6 + new] == 0) < 1  # the replay saw accepted and rejected drafts
   target.final_norm.scale[...] = jnp.zeros_like(target.final_norm.scale[...])  # greedy: always 0
-  tokens, committed, rounds = speculative_generate(target, drafter, prompt, new, "none")
+  tokens, committed, rounds = speculative_generate(target, drafter, prompt, new)
   assert np.all(np.asarray(tokens[:, 6:]) == 0)
   np.testing.assert_array_equal(rounds, [-(-(new - 1) // (k + 1))] * 2)
   np.testing.assert_array_equal(committed, rounds * (k + 1))
@@ -250,7 +261,7 @@ def test_the_loss_scores_only_real_next_tokens_of_the_document():
   anchors = jnp.asarray([[2, 4, 7, 9, 12]])
   for source in ("data", "target"):
     loss, (correct, scored) = jax.jit(lambda p, b: drafter_loss(drafter, nnx.merge(graphdef, p), b, anchors,
-                                                                 "predicted", source))(params, batch)
+                                                                 source))(params, batch)
     want = [[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]]  # x_{a+1..a+3} in the document, not padding
     np.testing.assert_array_equal(scored[0], want)
     assert np.isfinite(float(loss))
@@ -260,7 +271,7 @@ def test_the_loss_scores_only_real_next_tokens_of_the_document():
     greedy = jnp.argmax(model(b["inputs"], b["segment_ids"], b["positions"]).logits, -1)
     _, hidden, concepts = target_features(model, b["inputs"], b["segment_ids"], b["positions"], "predicted")
     proposals = jnp.argmax(draft(drafter, model, hidden, concepts, b["inputs"], b["segment_ids"], anchors), -1)
-    return greedy, proposals, drafter_loss(drafter, model, b, anchors, "predicted", "target")[1]
+    return greedy, proposals, drafter_loss(drafter, model, b, anchors, "target")[1]
 
   greedy, proposals, (correct, scored) = labelled(params, batch)
   for i, a in enumerate([2, 4, 7, 9, 12]):
@@ -304,12 +315,16 @@ def test_draft_command_trains_measures_saves_and_loads(tmp_path, corpus_dir, cap
   assert saved["committed"] >= 3 * 6 and saved["rounds"] >= 3 * 6 / 4  # 3 prompts, 6 tokens after the prefill each
   target, target_cfg, _ = load_model(str(tmp_path / "target"))
   drafter, cfg = load_drafter(str(tmp_path / "drafter"), target_cfg.model)
+  other = target_cfg.model.copy_and_resolve_references()
+  other.chunk_size = 2
+  with pytest.raises(ValueError, match=r"model.chunk_size \(4 there, 2 here\)"):
+    load_drafter(str(tmp_path / "drafter"), other)
   from latent_jax.draft import validation_prompts  # the measured prompts: the same MAL again
   from latent_jax.data import build_data
   data_cfg = target_cfg.copy_and_resolve_references()
   data_cfg.data.tokenizer = str(tmp_path / "target" / "tokenizer.model")
   prompts = validation_prompts(build_data(data_cfg, str(tmp_path / "scratch")), 3, 6)
-  _, committed, rounds = speculative_generate(target, drafter, prompts, 7, cfg.drafter.concept)
+  _, committed, rounds = speculative_generate(target, drafter, prompts, 7)
   assert (int(committed.sum()), int(rounds.sum())) == (saved["committed"], saved["rounds"])
   with pytest.raises(FileExistsError, match="never overwritten"):
     main(args)

@@ -22,15 +22,15 @@ def write_rows(buf, values, starts, active):
   return jnp.where(active[:, None], new, buf)
 
 
-def speculative_generate(target, drafter, prompt, max_new_tokens, concept="none"):
+def speculative_generate(target, drafter, prompt, max_new_tokens):
   """Continue prompt [B, P] greedily by max_new_tokens -> (tokens [B, P + max_new_tokens],
   committed [B] tokens committed, rounds [B] verification rounds); the MAL is their ratio (Eq. 27).
 
-  `concept` is the drafter's signal (drafter.concept): 'none', 'predicted' or 'pooled'.
+  The target passes give the drafter the concept signal it was built for (`drafter.concept`).
   """
   prompt = jnp.asarray(prompt, jnp.int32)
   b, p = prompt.shape
-  k = drafter.block_size
+  k, concept = drafter.block_size, drafter.concept
   if max_new_tokens < 1 or p < 1:
     raise ValueError(f"speculative decoding needs a prompt of at least one token (got {p}) and max_new_tokens >= 1 "
                      f"(got {max_new_tokens}).")

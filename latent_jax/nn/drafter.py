@@ -38,10 +38,10 @@ class BlockDrafter(nnx.Module):
     self.mask = param(rngs, (d,), ("embed",), std, pd)
     self.blocks = stacked_blocks(cfg, dcfg.num_layers, rngs)
     if dcfg.concept != "none":  # Eq. 26's per-layer gate g (zero) and RMSNorm scale: 2d per layer
-      self.gate = nnx.Param(jnp.zeros((dcfg.num_layers, d), pd), axes=(None, "embed"))
-      self.concept_scale = nnx.Param(jnp.ones((dcfg.num_layers, d), pd), axes=(None, "embed"))
+      self.gate = nnx.Param(jnp.zeros((dcfg.num_layers, d), pd), axes=("embed",))  # stacked: layer axis unnamed
+      self.concept_scale = nnx.Param(jnp.ones((dcfg.num_layers, d), pd), axes=("norm",))
     self.final_norm = RMSNorm(d, cfg.norm_eps, pd)
-    self.block_size, self.window, self.eps = dcfg.block_size, dcfg.context, cfg.norm_eps
+    self.block_size, self.window, self.concept, self.eps = dcfg.block_size, dcfg.context, dcfg.concept, cfg.norm_eps
     self.dtype = jnp.dtype(cfg.dtype)
 
   def __call__(self, context, valid, anchor_embedding, concept, head):
@@ -93,7 +93,11 @@ def target_features(target, tokens, segment_ids=None, positions=None, concept="n
 
 def draft(drafter, target, hidden, concepts, tokens, segment_ids, anchors):
   """The drafter's logits [B, A, K, V] for x_{a+1..a+K} at anchors [B, A], from a target pass
-  (`target_features`) over tokens [B, T] whose states are valid before each anchor."""
+  (`target_features` with `drafter.concept`) over tokens [B, T] whose states are valid before each anchor."""
+  if (concepts is None) != (drafter.concept == "none"):
+    raise ValueError(f"this drafter was built with drafter.concept={drafter.concept!r} but was given "
+                     f"{'no' if concepts is None else 'a'} concept signal; call target_features with "
+                     f"concept={drafter.concept!r}.")
   b, a = anchors.shape
   context, valid = D.draft_context(hidden, segment_ids, anchors, drafter.window)
   anchor_tokens, _ = D.gather_offsets(tokens, anchors, jnp.zeros((1,), jnp.int32))
