@@ -31,9 +31,9 @@ def speculative_generate(target, drafter, prompt, max_new_tokens):
   prompt = jnp.asarray(prompt, jnp.int32)
   b, p = prompt.shape
   k, concept = drafter.block_size, drafter.concept
-  if max_new_tokens < 1 or p < 1:
-    raise ValueError(f"speculative decoding needs a prompt of at least one token (got {p}) and max_new_tokens >= 1 "
-                     f"(got {max_new_tokens}).")
+  if max_new_tokens < 1 or p < 1 or b < 1:
+    raise ValueError(f"speculative decoding needs at least one prompt (got {b}) of at least one token (got {p}) and "
+                     f"max_new_tokens >= 1 (got {max_new_tokens}).")
   buf = jnp.zeros((b, p + max_new_tokens + k), jnp.int32).at[:, :p].set(prompt)
   target_graph, target_params = nnx.split(target)
   drafter_graph, drafter_params = nnx.split(drafter)
