@@ -12,8 +12,8 @@ import sys
 import time
 
 import jax
-import ml_collections
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -35,7 +35,7 @@ def drafter_loss(drafter, target, batch, anchors, source="data"):
   the target's greedy tokens there ('target') -> (loss, (correct [B, A, K], scored [B, A, K]))."""
   tokens = batch["inputs"]
   target_logits, hidden, concepts = target_features(target, tokens, batch["segment_ids"], batch["positions"],
-                                                    drafter.concept)
+                                                    drafter.concept, logits=source == "target")
   hidden, concepts = jax.lax.stop_gradient((hidden, concepts))
   logits = draft(drafter, target, hidden, concepts, tokens, batch["segment_ids"], anchors)
   if source == "target":  # the target's greedy token at each position after the data before it (teacher-forced)

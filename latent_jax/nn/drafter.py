@@ -70,8 +70,9 @@ class BlockDrafter(nnx.Module):
     return self.final_norm(x[:, w:]) @ head.astype(self.dtype)
 
 
-def target_features(target, tokens, segment_ids=None, positions=None, concept="none"):
-  """One target pass -> (logits [B, T, V], hidden [B, T, d], concept signal per token [B, T, d] or None).
+def target_features(target, tokens, segment_ids=None, positions=None, concept="none", logits=True):
+  """One target pass -> (logits [B, T, V] (None unless asked), hidden [B, T, d], concept signal per
+  token [B, T, d] or None).
 
   The concept signal at token t is what Eq. 26 reads once t is the last position the target has
   processed: 'predicted', the mixture p_{(t+1)//k - 1} that ConceptLM injects at t (Eq. 11), or
@@ -82,7 +83,7 @@ def target_features(target, tokens, segment_ids=None, positions=None, concept="n
   if concept != "none" and target.cfg.name != "concept":
     raise ValueError(f"drafter.concept={concept!r} needs a ConceptLM target (model.name='concept'), "
                      f"not {target.cfg.name!r}; use drafter.concept='none' for this target.")
-  out = target(tokens, segment_ids, positions)
+  out = target(tokens, segment_ids, positions, logits=logits)
   if concept == "none":
     return out.logits, out.hidden, None
   k = target.cfg.chunk_size
@@ -103,15 +104,10 @@ def draft(drafter, target, hidden, concepts, tokens, segment_ids, anchors):
   anchor_tokens, _ = D.gather_offsets(tokens, anchors, jnp.zeros((1,), jnp.int32))
   signal = None
   if concepts is not None:  # the signal at the last processed position a-1, if in the anchor's document
-    signal = jnp.where(valid[..., -1:], context_at(concepts, anchors), 0)
-    signal = signal.reshape(b * a, -1)
+    signal, ok = D.draft_context(concepts, segment_ids, anchors, 1)
+    signal = jnp.where(ok[..., None], signal, 0).reshape(b * a, -1)
   flat = lambda x: x.reshape(b * a, *x.shape[2:])
   logits = drafter(flat(context), flat(valid), target.embed_tokens(anchor_tokens[..., 0]).reshape(b * a, -1),
                    signal, target.head_weight())
   return logits.reshape(b, a, *logits.shape[1:])
 
-
-def context_at(x, anchors):
-  """x [B, T, d] at positions anchors - 1 -> [B, A, d] (zero for an anchor at 0)."""
-  out, inside = D.gather_offsets(x, anchors, jnp.full((1,), -1))
-  return jnp.where(inside[..., None], out, 0)[:, :, 0]

@@ -19,24 +19,26 @@ def gather_offsets(x, anchors, offsets):
   return jax.vmap(lambda row, i: row[i])(x, jnp.clip(idx, 0, x.shape[1] - 1)), inside
 
 
+def in_document(segment_ids, anchors, offsets):
+  """[B, A, J]: position anchor + offset lies in the row and in the anchor's document."""
+  segs, inside = gather_offsets(segment_ids, anchors, offsets)
+  anchor_seg, _ = gather_offsets(segment_ids, anchors, jnp.zeros((1,), jnp.int32))
+  return inside & (segs == anchor_seg)
+
+
 def draft_context(hidden, segment_ids, anchors, window):
   """The target states a drafter reads at anchor a: positions a-window .. a-1 of the anchor's document.
 
   hidden [B, T, d], segment_ids [B, T], anchors [B, A] -> (context [B, A, W, d], valid [B, A, W]).
   """
-  context, inside = gather_offsets(hidden, anchors, jnp.arange(-window, 0))
-  segs, _ = gather_offsets(segment_ids, anchors, jnp.arange(-window, 0))
-  anchor_seg, _ = gather_offsets(segment_ids, anchors, jnp.zeros((1,), jnp.int32))
-  return context, inside & (segs == anchor_seg)
+  offsets = jnp.arange(-window, 0)
+  return gather_offsets(hidden, anchors, offsets)[0], in_document(segment_ids, anchors, offsets)
 
 
 def draft_labels(tokens, segment_ids, anchors, block_size):
   """What the drafter should propose at anchor a: x_{a+1..a+K} [B, A, K], -1 past the row or the document."""
   offsets = jnp.arange(1, block_size + 1)
-  labels, inside = gather_offsets(tokens, anchors, offsets)
-  segs, _ = gather_offsets(segment_ids, anchors, offsets)
-  anchor_seg, _ = gather_offsets(segment_ids, anchors, jnp.zeros((1,), jnp.int32))
-  return jnp.where(inside & (segs == anchor_seg), labels, -1)
+  return jnp.where(in_document(segment_ids, anchors, offsets), gather_offsets(tokens, anchors, offsets)[0], -1)
 
 
 def concept_gate(states, concept, gate, scale, eps):
