@@ -31,10 +31,11 @@ def nitp_cfg(*extra, path=TINY_NITP):
   return load_config(path, TINY_OVERRIDES + list(extra))
 
 
-def packed_batch(b=2, t=12, vocab=320):
+def packed_batch(b=2, t=12, vocab=320, seed=0):
   """Row 0: two documents (the first ends with the input at position 4); row 1: one document
-  whose last two positions are padding (segment 0, targets -1)."""
-  tokens = rng.integers(0, vocab, size=(b, t + 1))
+  whose last two positions are padding (segment 0, targets -1). Its own seed: the same batch
+  whichever tests ran before (pytest-xdist orders them differently)."""
+  tokens = np.random.default_rng(seed).integers(0, vocab, size=(b, t + 1))
   seg = np.array([[1] * 5 + [2] * (t - 5), [1] * (t - 2) + [0] * 2])
   pos = np.array([list(range(5)) + list(range(t - 5)), list(range(t - 2)) + [0, 0]])
   targets = tokens[:, 1:].copy()
@@ -198,8 +199,8 @@ def test_model_terms_match_numpy(aux_model, aux_ref):
   want_mtp = ref_ce(y @ p["lm_head"], labels)
   assert abs(ref_ce(mtp_out(hidden) @ p["lm_head"], labels) - want_mtp) > 1e-3  # the two readings differ
   np.testing.assert_allclose(metrics["mtp_loss"], want_mtp, rtol=1e-4)  # the objective's wiring
-  assert metrics["total_loss"] == pytest.approx(metrics["loss"] + 0.7 * metrics["nitp_loss"]
-                                                + 0.5 * metrics["mtp_loss"], rel=1e-6)
+  m = {k: float(v) for k, v in metrics.items()}  # pytest.approx takes Python or NumPy numbers, never jax Arrays
+  assert m["total_loss"] == pytest.approx(m["loss"] + 0.7 * m["nitp_loss"] + 0.5 * m["mtp_loss"], rel=1e-6)
 
 
 def test_lm_loss_is_unchanged_by_the_aux_terms(aux_model):
@@ -364,7 +365,7 @@ def test_concept_lm_train_step_with_nitp_and_mtp(concept_aux):
   """One gradient step of ncp_objective with both terms: every term logged, the total their
   weighted sum, gradients finite and reaching both heads."""
   cfg, _, _, ((r, grads), _, _) = concept_aux
-  n = cfg.ncp
+  n, r = cfg.ncp, {k: float(v) for k, v in r.items()}  # pytest.approx takes no jax Arrays
   assert r["total_loss"] == pytest.approx(r["loss"] + n.alpha * r["ncp_loss"] + n.beta * r["vq_loss"]
                                           + r["nitp_loss"] + 0.3 * r["mtp_loss"], rel=1e-5)
   assert 0 < r["nitp_loss"] < 2 and 0 < r["mtp_loss"] < 10
