@@ -11,4 +11,4 @@ def get_config():
   c = tiny_ncp.add_ncp(olmo3_7b.get_config())
   c.model.update(encoder_layers=16, concept_layers=8, decoder_layers=16, chunk_size=4, num_segments=32,
                  codebook_size=128)
-  return tiny_ncp.per_dimension_weights(c)
+  return c  # ncp.alpha, ncp.beta follow d and S (tiny_ncp.per_dimension_weights)

@@ -41,10 +41,11 @@ def add_ncp(c):
 def per_dimension_weights(c):
   """alpha = 1/d, beta = S/d. The paper gives no alpha, beta; Eq. 22 sums squared errors over d
   dims and Eq. 21 over d/S, so these give both terms per-dimension scale, as the released
-  code's elementwise means have (docs/ncp.md). Call again after changing d_model or S; a
-  command-line override of either must override ncp.alpha and ncp.beta too."""
-  c.ncp.alpha = 1.0 / c.model.d_model  # weight of L_NCP (Eq. 24)
-  c.ncp.beta = c.model.num_segments / c.model.d_model  # weight of L_VQ
+  code's elementwise means have (docs/ncp.md). Both are references: they follow later changes
+  of model.d_model and model.num_segments (recipes, command-line overrides) until set themselves."""
+  d = c.model.get_ref("d_model").to_float()
+  c.ncp.alpha = 1.0 / d  # weight of L_NCP (Eq. 24)
+  c.ncp.beta = c.model.get_ref("num_segments").to_float() / d  # weight of L_VQ
   return c
 
 

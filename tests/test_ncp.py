@@ -430,6 +430,17 @@ def test_archpreview_8b_parameter_count():
   assert state["embed"].dtype == jnp.bfloat16 and "lm_head" in state  # bf16, untied
 
 
+def test_loss_weights_follow_d_and_s_overrides():
+  """ncp.alpha = 1/d and beta = S/d follow command-line overrides of model.d_model and
+  model.num_segments; an override of the weights themselves wins."""
+  path = os.path.join(CONFIGS, "tiny_ncp.py")
+  cfg = load_config(path, ["model.d_model=256", "model.num_segments=16"])
+  assert (cfg.ncp.alpha, cfg.ncp.beta) == (1 / 256, 16 / 256)
+  cfg = load_config(path, ["model.d_model=256", "ncp.alpha=0.5"])
+  assert (cfg.ncp.alpha, cfg.ncp.beta) == (0.5, 8 / 256)
+  assert load_config(os.path.join(CONFIGS, "ncp_ladder.py:cm"), ["model.d_model=256"]).ncp.beta == 0.0
+
+
 def test_olmo3_7b_parameter_count():
   """By hand: untied embedding and LM head, then per layer q, k, v, o (32 heads of 128 = d), a
   SwiGLU MLP and four norms of d (attention, MLP, and layer-wide q and k norms), a final norm."""
