@@ -1,4 +1,5 @@
-"""The training loop end to end: resume after SIGKILL, SIGTERM saves, NaN stops, CLIs load runs."""
+"""The training loop end to end: resume after SIGKILL, SIGTERM saves, CLIs load runs (tests/test_workdir.py:
+damage, the lock, resume checks, the NaN guard)."""
 import json
 import os
 import signal
@@ -84,13 +85,6 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_dir):
   assert proc.returncode == 0, out
   cfg, step = load.load_config(str(tmp_path))
   assert 2 <= step < 400 and f"stopped at step {step}" in out
-
-
-def test_nan_loss_stops_and_names_the_last_good_checkpoint(tmp_path, corpus_dir):
-  cfg = load_config(TINY, TINY_OVERRIDES + [f"data.source={corpus_dir}", "optim.lr=1e30", "optim.clip_norm=0",
-                                            "train.steps=6", "train.checkpoint_every=1", "optim.warmup_steps=0"])
-  with pytest.raises(NonFiniteLoss, match=r"non-finite loss at step \d+.*Last good checkpoint: .*checkpoints/\d+"):
-    train(cfg, str(tmp_path))
 
 
 def test_generate_eval_export_cli(tmp_path, corpus_dir):

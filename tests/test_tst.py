@@ -294,21 +294,26 @@ def run(workdir, corpus, *overrides, kill=None, cost=False):
   seen, counts, real = types.SimpleNamespace(first={}, after={}, xla_flops={}), {}, steps.make_train_step
 
   def make_train_step(graphdef, tx, cfg, shardings, mesh, objective):
-    step_fn = real(graphdef, tx, cfg, shardings, mesh, objective)
+    jitted = real(graphdef, tx, cfg, shardings, mesh, objective)
     phase = 1 if objective is objectives.tst_objective else 2
 
-    def recorded(state, batch):
-      counts[phase] = counts.get(phase, 0) + 1
-      if kill == (phase, counts[phase]):
-        raise Killed
-      if cost and phase not in seen.xla_flops:  # (the step then loads this compilation from the cache)
-        analysis = step_fn.lower(state, batch).compile().cost_analysis()
+    def compile_recorded(lowered):  # the loop compiles its step ahead of time: lower(...).compile()
+      step_fn = lowered.compile()
+      if cost and phase not in seen.xla_flops:
+        analysis = step_fn.cost_analysis()
         seen.xla_flops[phase] = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
-      seen.first.setdefault(phase, jax.device_get(state))  # before the step donates it
-      state, metrics = step_fn(state, batch)
-      seen.after.setdefault(phase, []).append(jax.device_get(state))
-      return state, metrics
-    return recorded
+
+      def recorded(state, batch):
+        counts[phase] = counts.get(phase, 0) + 1
+        if kill == (phase, counts[phase]):
+          raise Killed
+        seen.first.setdefault(phase, jax.device_get(state))  # before the step donates it
+        state, metrics = step_fn(state, batch)
+        seen.after.setdefault(phase, []).append(jax.device_get(state))
+        return state, metrics
+      return recorded
+    return types.SimpleNamespace(lower=lambda *args: types.SimpleNamespace(compile=lambda: compile_recorded(
+        jitted.lower(*args))))
 
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(steps, "make_train_step", make_train_step)
@@ -324,7 +329,7 @@ def saved_state(workdir, subdir, step):
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           jax.eval_shape(lambda: steps.init_state(cfg.model, 0, tx, None)))
-  ckpts = checkpoint.Checkpoints(str(workdir), subdir=subdir)
+  ckpts = checkpoint.Checkpoints(str(workdir), subdir=subdir, read_only=True)
   try:
     state, meta = ckpts.restore(step, abstract, None)
   finally:

@@ -22,7 +22,7 @@ def is_export(directory):
 
 def find_checkpoint(directory, step=None):
   """(manager, step) of the given or newest checkpoint: regular ones, or a TST phase-1 result."""
-  managers = [checkpoint.Checkpoints(directory, subdir=sub) for sub in ("checkpoints", "phase1")
+  managers = [checkpoint.Checkpoints(directory, subdir=sub, read_only=True) for sub in ("checkpoints", "phase1")
               if os.path.isdir(os.path.join(directory, sub))]
   found = [(s, m) for m in managers for s in m.manager.all_steps() if step is None or s == step]
   if not found:

@@ -3,7 +3,9 @@
 Layout: WORKDIR/checkpoints/STEP/{params, opt_state, data, meta}; TST runs also keep their
 phase-1 result in WORKDIR/phase1/STEP/..., which max_to_keep never removes. `params` is its
 own item so evaluation, generation and export restore it without the optimiser. Saves are async;
-an interrupted save leaves only a temporary folder that the next start ignores and removes.
+an interrupted save leaves only a temporary folder that the next training ignores and removes.
+Readers (eval, generate, export) open the folders read-only: they list committed steps only and
+never touch a training's in-flight temporary folders.
 """
 import json
 import os
@@ -15,15 +17,27 @@ import orbax.checkpoint as ocp
 
 
 class Checkpoints:
-  def __init__(self, workdir, keep=2, async_save=True, subdir="checkpoints"):
-    """Checkpoints in WORKDIR/SUBDIR (TST keeps its phase-1 result apart, in WORKDIR/phase1)."""
+  def __init__(self, workdir, keep=2, async_save=True, subdir="checkpoints", read_only=False):
+    """Checkpoints in WORKDIR/SUBDIR (TST keeps its phase-1 result apart, in WORKDIR/phase1).
+
+    Only the training opens them writable; with read_only nothing on disk is created, cleaned or
+    removed, so a reader cannot disturb a training that is saving.
+    """
     self.directory = os.path.abspath(os.path.join(workdir, subdir))
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
+        max_to_keep=keep, create=not read_only, read_only=read_only,
+        enable_async_checkpointing=async_save and not read_only, cleanup_tmp_directories=not read_only)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self):
     return self.manager.latest_step()
+
+  def all_steps(self):
+    return sorted(self.manager.all_steps())
+
+  def reload(self):
+    """Re-read the steps on disk (after a damaged one was moved away)."""
+    self.manager.reload()
 
   def path(self, step):
     return os.path.join(self.directory, str(step))

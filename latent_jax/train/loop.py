@@ -9,27 +9,42 @@ import signal
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 from flax import nnx
 
 from latent_jax.config import ConfigError, validate
-from latent_jax.data import TOKENIZER_FILENAME, build_data, make_train_iterator, make_val_batches
+from latent_jax.data import FEATURES, TOKENIZER_FILENAME, build_data, make_train_iterator, make_val_batches
 from latent_jax.infer import load
-from latent_jax.train import checkpoint, flops, phases, sharding
+from latent_jax.train import checkpoint, flops, phases, resume, sharding
 from latent_jax.train import step as steps
-from latent_jax.train.metrics import MetricsWriter
+from latent_jax.train.metrics import MetricsWriter, read_metrics
 from latent_jax.train.optim import build_optimizer, trainable_mask
+from latent_jax.train.workdir import WorkdirLock
 
 
 class NonFiniteLoss(RuntimeError):
   pass
 
 
-def train(cfg, workdir):
-  """Train (or resume) the run in `workdir`. Returns the last logged metrics."""
+def train(cfg, workdir, allow_data_change=False):
+  """Train (or resume) the run in `workdir`. Returns the last logged metrics.
+
+  One training per workdir: a second one exits at once, naming the live holder (train/workdir.py).
+  allow_data_change: resume although data.* or train.seed differ from the checkpoint's config.
+  """
+  started = time.perf_counter()
   validate(cfg)
   os.makedirs(workdir, exist_ok=True)
+  lock = WorkdirLock(workdir)
+  try:
+    return run(cfg, workdir, allow_data_change, started)
+  finally:
+    lock.release()
+
+
+def run(cfg, workdir, allow_data_change, started):
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh)
   if cfg.train.get("init_from") and not checkpoint.has_checkpoints(workdir):  # a resumed run ignores it
@@ -43,6 +58,8 @@ def train(cfg, workdir):
   val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches,
                                  jax.process_index(), jax.process_count())
   val_bytes = steps.scored_bytes(val_batches, data.tokenizer.token_bytes)
+  open_iterator = lambda phase: make_train_iterator(data, phase.seq_len, cfg.data.batch_size, phase.data_seed,
+                                                    jax.process_index(), jax.process_count())
 
   # Model and state shardings (every phase's optimiser state has the same structure).
   graphdef, abstract_params = steps.abstract_model(cfg)  # with the training-only heads (NITP, MTP)
@@ -55,19 +72,33 @@ def train(cfg, workdir):
   abstract_state = checkpoint.abstract_like(
       jax.eval_shape(lambda: steps.init_state(cfg, cfg.train.seed, tx, shardings)), shardings)
 
-  # Resume from the latest checkpoint in the workdir; in a TST run, from the phase-1 result
-  # (WORKDIR/phase1, kept apart from max_to_keep) if phase 1 finished after that checkpoint.
+  # Resume from the newest readable checkpoint in the workdir: a regular one, or in a TST run the
+  # phase-1 result (WORKDIR/phase1, kept apart from max_to_keep), from which phase 2 starts.
   ckpt = checkpoint.Checkpoints(workdir, cfg.train.keep_checkpoints)
   phase1 = checkpoint.Checkpoints(workdir, 1, async_save=False, subdir="phase1") if len(plan) > 1 else None
-  step = ckpt.latest_step() or 0
-  saved = ckpt
-  if phase1 and phase1.latest_step() is not None and step < plan[1].start:
-    step, saved = plan[1].start, phase1
-  if step:  # the saved optimiser state must be the one this config builds
-    check_same_optimizer(cfg, saved.restore_meta(step)["config"], saved.path(step))
   meta = {"config": checkpoint.config_to_json(cfg)}
-  eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh)
 
+  def restore(step, saved):
+    """Check the saved config, then read the state (and, mid-phase, the data position)."""
+    for notice in resume.check_config(saved.restore_meta(step)["config"], meta["config"], saved.path(step),
+                                      allow_data_change):
+      print(notice)
+    if saved is phase1:  # phase 2 starts here, from this state, with a fresh iterator
+      return phase1.restore(step, abstract_state, None)[0], None
+    train_iter = open_iterator(phases.phase_at(plan, step))
+    return ckpt.restore(step, abstract_state, train_iter)[0], train_iter
+
+  candidates = [(s, ckpt) for s in ckpt.all_steps()] + [(s, phase1) for s in (phase1.all_steps() if phase1 else ())]
+  found = resume.restore_newest(candidates, restore, workdir)
+  step, saved, (state, train_iter) = found if found else (0, None, (None, None))
+  if step >= plan[-1].end:
+    ckpt.close()
+    return finished(workdir, step, saved.path(step))
+  if step:
+    print(f"resumed from {saved.path(step)}")
+
+  eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh)
+  is_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])))
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
   peak *= jax.device_count()
   writer = MetricsWriter(workdir, step)
@@ -78,18 +109,24 @@ def train(cfg, workdir):
         f"unigram entropy {data.unigram_entropy:.3f} nats/token")
 
   stop = install_stop_handler()
-  bar = tqdm.tqdm(total=cfg.train.steps, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
-  metrics, stopped = {}, False
+  metrics, stopped, saver = {}, False, ckpt
   try:
     for phase in plan:
       if step >= phase.end:
         continue
       print(phase.describe(cfg.data.batch_size))
       tx, schedule = build_optimizer(cfg.optim, phase.schedule_steps, axes)
-      train_iter = make_train_iterator(data, phase.seq_len, cfg.data.batch_size, phase.data_seed,
-                                       jax.process_index(), jax.process_count())
-      state = enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, train_iter)
-      train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective)
+      if step == phase.start:  # a fresh run, or TST's switch
+        train_iter = open_iterator(phase)
+        state = enter_phase(phase, cfg, tx, shardings, abstract_state, phase1)
+      # Compiled before the progress bar starts, so that its rate and ETA count steps only.
+      compile_start = time.perf_counter()
+      batch_shape = jax.ShapeDtypeStruct((cfg.data.batch_size, phase.seq_len), np.int32,
+                                         sharding=sharding.batch_sharding(mesh))
+      train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(
+          abstract_state, {k: batch_shape for k in FEATURES}).compile()
+      print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+      bar = tqdm.tqdm(total=phase.end, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
       last_time, last_step = time.perf_counter(), step
       while step < phase.end:
         batch = sharding.global_batch(next(train_iter), mesh)
@@ -103,10 +140,10 @@ def train(cfg, workdir):
         if log_now or save_now:
           metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
           if not all(map(math.isfinite, metrics.values())):
-            ckpt.wait()
-            good = ckpt.latest_step()
-            raise NonFiniteLoss(f"non-finite loss at step {step}: {metrics}. Last good checkpoint: "
-                                f"{ckpt.path(good) if good else 'none'}. Lower optim.lr or raise optim.warmup_steps.")
+            raise NonFiniteLoss(f"non-finite loss at step {step}: {metrics}. {last_good(ckpt, phase1)}")
+        if save_now and not bool(is_finite(state)):  # a finite loss can still give a non-finite update
+          raise NonFiniteLoss(f"non-finite parameters or optimiser state after step {step}; not saved. "
+                              f"{last_good(ckpt, phase1)}")
         if log_now:
           now = time.perf_counter()
           steps_per_s = (step - last_step) / (now - last_time)
@@ -132,41 +169,63 @@ def train(cfg, workdir):
             tags["phase1_final"] = True
           saver.save(step, state, train_iter, {**meta, **tags})
         if stopping:
-          print(f"\nstopped at step {step}; checkpoint {saver.path(step)}")
           stopped = True
           break
+      bar.close()
       if stopped:
         break
   finally:  # also on errors: let started checkpoint saves finish
-    bar.close()
     ckpt.close()
     if phase1:
       phase1.close()
     writer.close()
+  print(summary("stopped" if stopped else "done", step, cfg.train.steps, metrics, phase.tokens_at(step),
+                time.perf_counter() - started, saver.path(step)))
   return metrics
 
 
-def enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, train_iter):
-  """The train state at `step`: fresh at 0, a checkpoint inside the phase, or TST's switch."""
-  if step == 0:
+def enter_phase(phase, cfg, tx, shardings, abstract_state, phase1):
+  """The train state at a phase's first step: fresh at step 0, else TST's switch."""
+  if phase.start == 0:
     state = steps.init_state(cfg, cfg.train.seed, tx, shardings)
     if cfg.train.get("init_from"):
       state["params"] = load.initial_params(cfg.train.init_from, cfg, state["params"])
       print(f"params from {cfg.train.init_from}")
     return state
-  if step > phase.start:
-    state, _ = ckpt.restore(step, abstract_state, train_iter)
-    print(f"resumed from {ckpt.path(step)}")
-    return state
   # The TST switch: phase 2 starts from the phase-1 result on disk (exactly as a resumed run
   # does), with a fresh data iterator; carry="params" also starts a fresh optimiser state.
-  state, _ = phase1.restore(step, abstract_state, None)
-  print(f"phase {phase.number} starts from {phase1.path(step)}")
+  state, _ = phase1.restore(phase.start, abstract_state, None)
+  print(f"phase {phase.number} starts from {phase1.path(phase.start)}")
   if phase.fresh_optimizer:
     state["opt_state"] = jax.jit(tx.init, out_shardings=shardings["opt_state"])(state["params"])
   if phase.reinit_embeddings:
     state = phases.reinit_embeddings(state, cfg.model, cfg.train.seed, shardings)
   return state
+
+
+def last_good(ckpt, phase1):
+  """Where the newest saved (and so finite: nothing else is saved) state is, for NaN messages."""
+  ckpt.wait()
+  found = [(s, c.path(s)) for c in (ckpt, phase1) if c for s in c.all_steps()]
+  where = max(found)[1] if found else "none"
+  return f"Last good checkpoint: {where}. Lower optim.lr or raise optim.warmup_steps."
+
+
+def summary(what, step, steps, metrics, tokens, seconds, path):
+  """The run's last line: where it stands and where its checkpoint is."""
+  val = (f"val loss {metrics['val_loss']:.4f} nats/token ({metrics['val_bpb']:.4f} bits/byte)" if "val_loss" in metrics
+         else "no validation at this step")
+  return f"{what} at step {step}/{steps}: {val}, {tokens:,} tokens, {seconds / 60:.1f} min; checkpoint {path}"
+
+
+def finished(workdir, step, path):
+  """A rerun of a finished run: say so, and return its last logged metrics."""
+  rows = [r for r in read_metrics(workdir) if r["step"] <= step]
+  with_val = [r for r in rows if "val_loss" in r]
+  val = (f", val loss {with_val[-1]['val_loss']:.4f} nats/token at step {with_val[-1]['step']}" if with_val else "")
+  print(f"{workdir} is complete: step {step}{val}; checkpoint {path}. Raise train.steps to train further, "
+        "or use a new --workdir.")
+  return rows[-1] if rows else {}
 
 
 def adopt_source(cfg, workdir):
@@ -176,16 +235,6 @@ def adopt_source(cfg, workdir):
   target = os.path.join(workdir, TOKENIZER_FILENAME)
   if not cfg.data.tokenizer and not os.path.exists(target):
     shutil.copy(load.load_tokenizer(cfg.train.init_from, source_cfg).path, target)
-
-
-def check_same_optimizer(cfg, saved, path):
-  """A resumed run must build the optimiser state it saved: same optim.name and optim.trainable."""
-  for field, default in (("name", "adamw"), ("trainable", "all")):
-    before, now = saved.get("optim", {}).get(field, default), cfg.optim.get(field, default)
-    if before != now:
-      raise ConfigError(f"optim.{field}: {path} was saved with optim.{field}={before!r}, this config says {now!r}; "
-                        f"resume with {before!r}, or start a new workdir with "
-                        f"train.init_from={os.path.dirname(os.path.dirname(path))} to continue from its params.")
 
 
 def check_trains_embeddings(trains, trainable):

@@ -38,15 +38,31 @@ def to_python(v):
 
 
 def drop_rows_after(path, step):
-  """On resume, forget rows logged after the restored checkpoint: they will be logged again."""
+  """On resume, forget rows logged after the restored checkpoint: they will be logged again.
+  A line torn by a kill in mid-write is dropped too, with a notice."""
   if not os.path.exists(path):
     return
-  with open(path) as f:
-    rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+  rows = read_rows(path, warn=True)
   with open(path, "w") as f:
-    f.writelines(rows)
+    f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
+
+
+def read_rows(path, warn=False):
+  """The rows of a metrics.jsonl; a line that is not a whole JSON row (a torn write) is skipped."""
+  rows = []
+  with open(path) as f:
+    for lineno, line in enumerate(f, start=1):
+      try:
+        row = json.loads(line) if line.strip() else None
+      except json.JSONDecodeError:
+        row = None
+        if warn:
+          print(f"warning: {path}:{lineno} is not a whole JSON row (a write cut short); dropped it")
+      if isinstance(row, dict) and "step" in row:
+        rows.append(row)
+  return rows
 
 
 def read_metrics(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  path = os.path.join(workdir, "metrics.jsonl")
+  return read_rows(path) if os.path.exists(path) else []

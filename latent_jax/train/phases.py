@@ -103,6 +103,11 @@ def plan(cfg):
   return [phase1, phase2]
 
 
+def phase_at(phases, step):
+  """The phase that ran global step `step` (and saved a checkpoint there)."""
+  return next(p for p in phases if p.start < step <= p.end)
+
+
 def check_data(phases, train_tokens, batch_size):
   """Every phase's rows must give at least one batch (TST phase 1 reads longer rows)."""
   for p in phases:

@@ -1,0 +1,96 @@
+"""Resuming a run: the config must match the one its checkpoint was saved with, and a damaged
+checkpoint is moved aside for the newest readable one.
+
+Changes to a resumed run's config fall in three kinds:
+  refused       the saved state would not fit or mean the same: the model (but for model.remat
+                and the compute dtype), data.tokenizer, optim.name / optim.trainable, the
+                training-only heads (nitp.enabled, nitp.projector, mtp.enabled) and TST's first
+                phase (tst.enabled, s, r, budget, superpose, positions; what phase 2 does,
+                tst.carry and tst.reinit_embeddings_at_switch, may change: one phase-1 result
+                can start several phase-2 variants);
+  data          the batches would change under a restored iterator position: data.source,
+                data.batch_size, data.seq_len (any data.* field) and train.seed; refused unless
+                the train CLI is given --allow_data_change;
+  anything else (lr, schedule, train.steps, logging, mesh, kernels, loss weights) is taken, and
+                printed.
+"""
+import os
+
+from latent_jax.config import ConfigError
+from latent_jax.train.workdir import move_aside
+
+REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.enabled", "nitp.projector",
+           "mtp.enabled", "tst.enabled", "tst.s", "tst.r", "tst.budget", "tst.superpose", "tst.positions")
+TAKEN = ("model.remat", "model.dtype")
+DATA = ("data.", "train.seed")
+IGNORED = ("train.init_from",)  # a resumed run reads its own checkpoints, never its source
+DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all"}  # fields older checkpoints may lack
+
+
+def matches(field, names):
+  """Whether `field` is one of `names`, or inside a section named with a trailing dot ("model.")."""
+  return any(field == n or (n.endswith(".") and field.startswith(n)) for n in names)
+
+
+def flatten(tree, prefix=""):
+  """{"a.b.c": value} of a nested dict (a config as saved in checkpoint metadata)."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_changes(saved, now):
+  """[(field, saved value, value now)] of every field that differs (nested config dicts)."""
+  saved, now = flatten(saved), flatten(now)
+  missing = object()
+  changes = []
+  for field in sorted(set(saved) | set(now)):
+    before = saved.get(field, DEFAULTS.get(field, missing))
+    after = now.get(field, DEFAULTS.get(field, missing))
+    if before is not missing and after is not missing and before != after and not matches(field, IGNORED):
+      changes.append((field, before, after))
+  return changes
+
+
+def check_config(saved, now, path, allow_data_change=False):
+  """Refuse a resume whose config differs from `saved` (the checkpoint at `path`'s) in what the state
+  depends on; returns the notices of what else changed."""
+  changes = config_changes(saved, now)
+  listing = lambda items: "; ".join(f"{f}: saved {a!r}, now {b!r}" for f, a, b in items)
+  refused = [c for c in changes if matches(c[0], REFUSED) and not matches(c[0], TAKEN)]
+  if refused:
+    workdir = os.path.dirname(os.path.dirname(path))
+    raise ConfigError(f"{path} was saved with another model, tokenizer or optimiser ({listing(refused)}); resume "
+                      f"with the saved values, or start a new --workdir with train.init_from={workdir} to continue "
+                      "from its params.")
+  data = [c for c in changes if matches(c[0], DATA)]
+  if data and not allow_data_change:
+    raise ConfigError(f"{path} was saved with other data ({listing(data)}): the restored iterator position would "
+                      "mean other batches. Resume with the saved values, or pass --allow_data_change to resume on "
+                      "this data anyway.")
+  return [f"resuming with changed config: {f}: {a!r} -> {b!r}" for f, a, b in changes]
+
+
+def restore_newest(candidates, restore, workdir, log=print):
+  """The newest checkpoint that restores: `candidates` lists (step, Checkpoints), `restore(step,
+  checkpoints)` reads one (raising on damage). An unreadable one is named with its error, moved
+  to WORKDIR/damaged/ and the next older one tried. Returns (step, checkpoints, restored) or None.
+
+  Errors that are not damage (a ConfigError: the config does not match) pass through.
+  """
+  for step, checkpoints in sorted(candidates, key=lambda c: c[0], reverse=True):
+    try:
+      return step, checkpoints, restore(step, checkpoints)
+    except ConfigError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # any failure to read is damage
+      reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+      moved = move_aside(checkpoints.path(step), workdir)
+      checkpoints.reload()
+      log(f"warning: checkpoint {checkpoints.path(step)} is unreadable ({reason}); moved it to {moved} and "
+          "trying the one before it")
+  return None

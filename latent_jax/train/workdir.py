@@ -1,0 +1,88 @@
+"""What keeps a workdir whole: one training per workdir (a lock), and damaged checkpoints moved
+aside, never deleted.
+
+The lock is WORKDIR/train.lock, held with flock(2) for the life of the training process and
+removed when it ends. The kernel drops the flock when the process dies, however it dies, so a
+lock file left by a dead run is taken over at once, with a notice naming the run that left it.
+The file's one JSON line names the holder (host, pid, start time) for the error a second
+training prints.
+"""
+import fcntl
+import json
+import os
+import socket
+import time
+
+LOCK_FILENAME = "train.lock"
+DAMAGED_DIRNAME = "damaged"
+
+
+class WorkdirBusy(RuntimeError):
+  """Another live training holds the workdir."""
+
+
+class WorkdirLock:
+  """Hold WORKDIR/train.lock until `release()` (or the process ends)."""
+
+  def __init__(self, workdir):
+    self.path = os.path.join(workdir, LOCK_FILENAME)
+    while True:
+      self.file = open(self.path, "a+")  # never truncate before we hold it: the holder's line is the message
+      try:
+        fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = describe(read_holder(self.file))
+        self.file.close()
+        raise WorkdirBusy(f"--workdir {workdir} is in use by a live training ({holder}); wait for it to finish, "
+                          "stop it (SIGTERM saves a checkpoint), or pick another --workdir.") from None
+      if same_file(self.path, self.file):
+        break
+      self.file.close()  # its holder removed it between our open and flock: lock the new one
+    left = read_holder(self.file)
+    if left:
+      print(f"taking over {self.path}, left by a training that is no longer running ({describe(left)})")
+    self.file.seek(0)
+    self.file.truncate()
+    self.file.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}) + "\n")
+    self.file.flush()
+
+  def release(self):
+    if self.file.closed:
+      return
+    os.unlink(self.path)  # before unlocking: whoever opened the old file sees it is gone
+    fcntl.flock(self.file, fcntl.LOCK_UN)
+    self.file.close()
+
+
+def same_file(path, file):
+  try:
+    return os.stat(path).st_ino == os.fstat(file.fileno()).st_ino
+  except FileNotFoundError:
+    return False
+
+
+def read_holder(file):
+  file.seek(0)
+  try:
+    return json.loads(file.read() or "null")
+  except json.JSONDecodeError:
+    return {"host": "?", "pid": "?", "started": "unreadable lock file"}
+
+
+def describe(holder):
+  if not holder:
+    return "holder unknown"
+  return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}"
+
+
+def move_aside(path, workdir):
+  """Move a damaged checkpoint folder to WORKDIR/damaged/<parent>-<step>[-k]; returns the new path."""
+  folder = os.path.join(workdir, DAMAGED_DIRNAME)
+  os.makedirs(folder, exist_ok=True)
+  base = os.path.join(folder, f"{os.path.basename(os.path.dirname(path))}-{os.path.basename(path)}")
+  target, k = base, 1
+  while os.path.exists(target):
+    target, k = f"{base}-{k}", k + 1
+  os.rename(path, target)
+  return target

@@ -1,0 +1,229 @@
+"""A workdir nothing can damage, through the train CLI: damaged checkpoints fall back to the one
+before (same final params as an undamaged run), one training per workdir, resume checks against
+the saved config, no non-finite state ever saved, readers that never disturb a training."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TINY, TINY_OVERRIDES
+from test_train import cli, final_params, wait_for_step
+
+KEEP = ["--config.train.keep_checkpoints=3"]  # checkpoints 2, 4 and 6 of the 6-step tiny run
+
+
+def train_cmd(workdir, corpus, *extra):
+  return cli("latent_jax.train", "--config", TINY, "--workdir", str(workdir),
+             *[f"--config.{o}" for o in TINY_OVERRIDES], f"--config.data.source={corpus}", *KEEP, *extra)
+
+
+def run_train(workdir, corpus, *extra):
+  return subprocess.run(train_cmd(workdir, corpus, *extra), cwd=ROOT, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus_dir):
+  """A finished 6-step run with checkpoints 2, 4, 6, and its final params."""
+  run = tmp_path_factory.mktemp("finished") / "run"
+  out = run_train(run, corpus_dir)
+  assert out.returncode == 0, out.stdout + out.stderr
+  return run, final_params(run)[1]
+
+
+def truncate_largest(folder):
+  files = [os.path.join(r, n) for r, _, names in os.walk(folder) for n in names]
+  path = max(files, key=os.path.getsize)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def empty_folder(folder):
+  for name in os.listdir(folder):
+    p = os.path.join(folder, name)
+    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+
+
+def tear_metrics_and_drop_last(ckpt):
+  """A kill in mid-write of metrics.jsonl, before checkpoint 6 was saved."""
+  shutil.rmtree(ckpt)
+  path = os.path.join(os.path.dirname(os.path.dirname(ckpt)), "metrics.jsonl")
+  text = open(path).read()
+  with open(path, "w") as f:
+    f.write(text[:-len(text.splitlines()[-1]) // 2 - 1])
+
+
+DAMAGE = {
+    "truncated params": lambda c: truncate_largest(os.path.join(c, "params")),
+    "deleted params": lambda c: shutil.rmtree(os.path.join(c, "params")),
+    "truncated opt_state": lambda c: truncate_largest(os.path.join(c, "opt_state")),
+    "deleted opt_state": lambda c: shutil.rmtree(os.path.join(c, "opt_state")),
+    "deleted data iterator": lambda c: os.remove(os.path.join(c, "data", "process_0-of-1.json")),
+    "garbage metadata": lambda c: open(os.path.join(c, "meta", "metadata"), "wb").write(b"\x00garbage{"),
+    "emptied folder": empty_folder,
+    "torn metrics line": tear_metrics_and_drop_last,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_latest_checkpoint_falls_back(tmp_path, corpus_dir, finished_run, damage):
+  source, want = finished_run
+  run = tmp_path / "run"
+  shutil.copytree(source, run)
+  DAMAGE[damage](str(run / "checkpoints" / "6"))
+  out = run_train(run, corpus_dir)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert "resumed from" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("done at step 6/6")
+  if damage != "torn metrics line":
+    assert f"checkpoint {run}/checkpoints/6 is unreadable" in out.stdout
+    assert os.path.isdir(run / "damaged" / "checkpoints-6")  # moved aside, never deleted
+  else:
+    assert "not a whole JSON row" in out.stdout
+  rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == list(range(1, 7))
+  step, got = final_params(run)
+  assert step == 6
+  for x, y in zip(want, got):  # bitwise: the same steps 5 and 6 from the same checkpoint 4
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_damaged_tokenizer_is_a_clear_error(tmp_path, corpus_dir, finished_run):
+  run = tmp_path / "run"
+  shutil.copytree(finished_run[0], run)
+  path = run / "tokenizer.model"
+  path.write_bytes(path.read_bytes()[:100])
+  out = run_train(run, corpus_dir)
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+  assert out.stderr.startswith("error: ") and str(path) in out.stderr, out.stderr
+
+
+def test_finished_run_says_complete(corpus_dir, finished_run):
+  out = run_train(finished_run[0], corpus_dir)
+  assert out.returncode == 0, out.stderr
+  assert f"{finished_run[0]} is complete: step 6" in out.stdout and "compiled" not in out.stdout
+
+
+def test_second_training_on_a_live_workdir_exits_naming_the_holder(tmp_path, corpus_dir):
+  run = tmp_path / "run"
+  first = subprocess.Popen(train_cmd(run, corpus_dir, "--config.train.steps=400", "--config.train.checkpoint_every=1000"),
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    wait_for_step(str(run), first, 1)
+    start = time.time()
+    second = run_train(run, corpus_dir)
+    assert second.returncode == 2 and time.time() - start < 30, second.stderr
+    assert second.stderr.startswith("error: ") and f"pid {first.pid}" in second.stderr, second.stderr
+    assert "is in use by a live training" in second.stderr
+  finally:
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=120)
+  assert first.returncode == 0
+  assert not (run / "train.lock").exists()  # released at the end
+
+
+def test_lock_left_by_a_dead_training_is_taken_over(tmp_path):
+  from latent_jax.train.workdir import LOCK_FILENAME, WorkdirLock, WorkdirBusy
+  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+  (tmp_path / LOCK_FILENAME).write_text(json.dumps({"host": "h", "pid": int(dead.stdout), "started": "then"}) + "\n")
+  out = subprocess.run([sys.executable, "-c", "from latent_jax.train.workdir import WorkdirLock; "
+                        f"WorkdirLock({str(tmp_path)!r}); print('held')"], cwd=ROOT, capture_output=True, text=True)
+  assert out.returncode == 0 and "taking over" in out.stdout and f"pid {dead.stdout.strip()}" in out.stdout, out
+  lock = WorkdirLock(str(tmp_path))  # the process above died holding it: taken over again
+  with pytest.raises(WorkdirBusy, match=f"pid {os.getpid()}"):
+    WorkdirLock(str(tmp_path))
+  lock.release()
+  assert not (tmp_path / LOCK_FILENAME).exists()
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.d_model=64", ["model.d_model: saved 32, now 64", "another model"]),
+    ("model.vocab_size=512", ["model.vocab_size: saved 320, now 512"]),
+    ("optim.name=muon", ["optim.name: saved 'adamw', now 'muon'"]),
+    ("data.tokenizer=/x.model", ["data.tokenizer: saved '', now '/x.model'"]),
+    ("data.batch_size=16", ["data.batch_size: saved 8, now 16", "--allow_data_change"]),
+    ("data.seq_len=64", ["data.seq_len: saved 32, now 64", "--allow_data_change"]),
+    ("data.source=kjv", ["data.source: saved", "now 'kjv'", "--allow_data_change"]),
+])
+def test_resume_refuses_another_model_tokenizer_optimiser_or_data(corpus_dir, finished_run, override, words):
+  run = finished_run[0]
+  before = sorted(os.listdir(run)), (run / "metrics.jsonl").read_text()
+  out = run_train(run, corpus_dir, f"--config.{override}")
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+  assert out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1, out.stderr
+  for w in words:
+    assert w in out.stderr, out.stderr
+  assert "compiled" not in out.stdout  # refused before anything compiles
+  assert (sorted(os.listdir(run)), (run / "metrics.jsonl").read_text()) == before
+
+
+def test_resume_takes_changed_data_when_told_and_prints_other_changes(tmp_path, corpus_dir, finished_run):
+  run = tmp_path / "run"
+  shutil.copytree(finished_run[0], run)
+  out = run_train(run, corpus_dir, "--config.train.steps=8", "--config.optim.lr=0.001",
+                  "--config.data.batch_size=16", "--allow_data_change")
+  assert out.returncode == 0, out.stdout + out.stderr
+  for notice in ("train.steps: 6 -> 8", "optim.lr: 0.003 -> 0.001", "data.batch_size: 8 -> 16"):
+    assert f"resuming with changed config: {notice}" in out.stdout
+  assert "resumed from" in out.stdout and "done at step 8/8" in out.stdout
+
+
+def test_non_finite_state_is_never_saved(tmp_path, corpus_dir):
+  """lr=1e39: the loss at step 1 is finite, the parameters after it are not; nothing non-finite is
+  saved, and the checkpoint named as the last good one holds finite parameters."""
+  out = run_train(tmp_path, corpus_dir, "--config.optim.lr=1e39", "--config.optim.clip_norm=0",
+                  "--config.optim.warmup_steps=0", "--config.train.checkpoint_every=1")
+  assert out.returncode == 2 and out.stderr.startswith("error: non-finite"), out.stderr
+  assert "Last good checkpoint: none" in out.stderr  # step 1's update already overflowed
+  assert not any(n.isdigit() for n in os.listdir(tmp_path / "checkpoints"))
+
+  run = tmp_path / "later"  # healthy for 2 steps, then the learning rate explodes
+  out = run_train(run, corpus_dir, "--config.train.steps=4", "--config.train.checkpoint_every=2")
+  assert out.returncode == 0, out.stderr
+  out = run_train(run, corpus_dir, "--config.train.steps=6", "--config.optim.lr=1e39", "--config.optim.clip_norm=0",
+                  "--config.train.checkpoint_every=1")
+  assert out.returncode == 2 and f"Last good checkpoint: {run}/checkpoints/4" in out.stderr, out.stderr
+  assert sorted(int(n) for n in os.listdir(run / "checkpoints") if n.isdigit()) == [2, 4]
+  step, params = final_params(run)
+  assert step == 4 and all(np.isfinite(np.asarray(p)).all() for p in params)
+
+
+def test_readers_never_disturb_a_training(tmp_path, corpus_dir):
+  """eval, generate and export read a workdir over and over while it trains and saves (in this
+  process, for many reads, and through each CLI); the training finishes and equals an undisturbed one."""
+  from latent_jax.eval import evaluate_dir
+  from latent_jax.export import export
+  from latent_jax.infer import load_model
+  steps = ["--config.train.steps=60", "--config.train.checkpoint_every=1", "--config.train.eval_every=0",
+           "--config.train.keep_checkpoints=2"]
+  straight = tmp_path / "straight"
+  assert run_train(straight, corpus_dir, *steps).returncode == 0
+  run = tmp_path / "run"
+  proc = subprocess.Popen(train_cmd(run, corpus_dir, *steps), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  wait_for_step(str(run), proc, 1, checkpoint=1)
+  commands = [cli("latent_jax.eval", "--workdir", str(run), "--batches=1"),
+              cli("latent_jax.generate", "--workdir", str(run), "--max_new_tokens=2", "--temperature=0"),
+              cli("latent_jax.export", "--workdir", str(run), "--out", str(tmp_path / "export_cli"))]
+  clis = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in commands]
+  reads, k = 0, 0
+  while proc.poll() is None:
+    k += 1
+    try:  # a reader may lose a race with the training's removal of an old step; the training never does
+      [lambda: evaluate_dir(str(run), max_batches=1), lambda: load_model(str(run)),
+       lambda: export(str(run), str(tmp_path / f"export{k}"))][k % 3]()
+      reads += 1
+    except (FileNotFoundError, ValueError):
+      pass
+  out = proc.communicate()[0]
+  for c in clis:
+    c.wait()
+  assert proc.returncode == 0 and "done at step 60/60" in out, out
+  assert reads >= 5, reads
+  (_, want), (_, got) = final_params(straight), final_params(run)
+  for x, y in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
