@@ -5,12 +5,11 @@ latest (or a named) checkpoint of a workdir, or for an export folder. The split 
 rebuilt from the saved config exactly as in training.
 """
 import json
-import sys
 
 import jax
 from flax import nnx
 
-from latent_jax.config import parse_cli
+from latent_jax import cli
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.infer import load
 from latent_jax.train import sharding
@@ -32,16 +31,15 @@ def evaluate_dir(directory, step=None, max_batches=0):
   return {"step": step, **result}
 
 
-def main(argv):
-  _, _, flags = parse_cli(argv)
-  if "workdir" not in flags:
-    raise SystemExit(__doc__)
-  print(json.dumps(evaluate_dir(flags["workdir"], int(flags["step"]) if "step" in flags else None,
-                                int(flags.get("batches", 0)))))
+FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,
+         cli.Flag("batches", int, 0, "validation batches to score; 0 = all", lambda n: n >= 0, ">= 0")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    print(json.dumps(evaluate_dir(args.workdir, args.step, args.batches)))
 
 
 if __name__ == "__main__":
-  try:
-    main(sys.argv[1:])
-  except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad paths and settings: no traceback
-    raise SystemExit(f"error: {e}") from None
+  main()

@@ -1,19 +1,18 @@
-"""python -m latent_jax.train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR"""
-import sys
+"""python -m latent_jax.train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR
 
-from latent_jax.config import ConfigError, load_config, parse_cli
+Trains a new run in DIR, or resumes the one there from its latest checkpoint."""
+from latent_jax import cli
+from latent_jax.config import load_config
 from latent_jax.train.loop import NonFiniteLoss, train
 
+FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the run's folder: created, or resumed from")]
 
-def main(argv):
-  path, overrides, flags = parse_cli(argv)
-  if path is None or "workdir" not in flags:
-    raise SystemExit(__doc__)
-  try:
-    train(load_config(path, overrides), flags["workdir"])
-  except (ConfigError, NonFiniteLoss) as e:
-    raise SystemExit(f"error: {e}") from None
+
+def main(argv=None):
+  with cli.errors(NonFiniteLoss):
+    args = cli.parse(__doc__, FLAGS, argv)
+    train(load_config(args.config, args.overrides), args.workdir)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main()
