@@ -26,6 +26,7 @@ from latent_jax.infer import load
 from latent_jax.infer.speculative import speculative_generate
 from latent_jax.nn.drafter import BlockDrafter, draft, target_features
 from latent_jax.ops import drafting as D
+from latent_jax.train import checkpoint
 from latent_jax.train.optim import decays, is_axes
 from latent_jax.train.step import axes_tree
 
@@ -119,6 +120,9 @@ def run(cfg, workdir, log=print):
     if os.path.exists(path):
       raise FileExistsError(f"{path} exists; pick another --workdir (an earlier result is never overwritten).")
   cli.writable_dir(workdir, "--workdir")
+  if not (load.is_export(cfg.target) or checkpoint.has_checkpoints(cfg.target)):
+    raise FileNotFoundError(f"target: {cfg.target!r} is neither a training workdir with checkpoints nor an export "
+                            "folder; train first, or point --config.target at a trained run's workdir.")
   target, target_cfg, tokenizer = load.load_model(cfg.target)
   if cfg.drafter.concept != "none" and target_cfg.model.name != "concept":
     raise ConfigError(f"drafter.concept={cfg.drafter.concept!r} needs a ConceptLM target, but {cfg.target} is "

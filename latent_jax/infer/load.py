@@ -83,6 +83,19 @@ def check_init_from(directory, cfg, params):
   return source_cfg, step
 
 
+def check_resume(directory, cfg):
+  """A run resumed in `directory` must build the parameters its checkpoints hold, shape for shape."""
+  saved_cfg, _ = load_config(directory)
+  saved = by_path(nnx.to_pure_dict(steps.abstract_model(saved_cfg)[1]))
+  here = by_path(nnx.to_pure_dict(steps.abstract_model(cfg)[1]))
+  for name in sorted(saved.keys() | here.keys()):
+    there_shape, here_shape = (tree[name].shape if name in tree else "missing" for tree in (saved, here))
+    if there_shape != here_shape:
+      raise ValueError(f"--workdir {directory} holds checkpoints of another model: parameter {name!r} is "
+                       f"{there_shape} there but {here_shape} in this config; resume with the config the run was "
+                       "started with, or give a new --workdir.")
+
+
 def initial_params(directory, cfg, fresh):
   """The params a run starts from with train.init_from = `directory`: each of `fresh` (this run's
   initialised params) replaced by the source's, in fresh's dtype and sharding, except

@@ -4,7 +4,6 @@ A plain run has one phase; a TST run two (train/phases.py, docs/tst.md).
 """
 import math
 import os
-import shutil
 import signal
 import time
 
@@ -13,8 +12,9 @@ import numpy as np
 import tqdm
 from flax import nnx
 
+from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
-from latent_jax.data import TOKENIZER_FILENAME, build_data, make_train_iterator, make_val_batches
+from latent_jax.data import build_data, make_train_iterator, make_val_batches, save_tokenizer
 from latent_jax.infer import load
 from latent_jax.train import checkpoint, flops, phases, sharding
 from latent_jax.train import step as steps
@@ -29,17 +29,21 @@ class NonFiniteLoss(RuntimeError):
 def train(cfg, workdir):
   """Train (or resume) the run in `workdir`. Returns the last logged metrics."""
   validate(cfg)
-  os.makedirs(workdir, exist_ok=True)
+  writable_dir(workdir, "--workdir")
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh)
-  if cfg.train.get("init_from") and not checkpoint.has_checkpoints(workdir):  # a resumed run ignores it
-    adopt_source(cfg, workdir)
+  source = None
+  if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from
+    load.check_resume(workdir, cfg)
+  elif cfg.train.get("init_from"):
+    source = adopt_source(cfg)
 
   # Data: corpus -> tokenizer (trained once, then reused) -> packed windows. Each phase opens
   # its own train iterator (TST phase 1 reads longer rows); validation is always plain NTP.
-  data = build_data(cfg, workdir)
+  data = build_data(cfg, workdir, source)
   plan = phases.plan(cfg)
   phases.check_data(plan, data.train_tokens.size, cfg.data.batch_size)
+  save_tokenizer(data, workdir)  # the first write: bad input stops the run above, leaving nothing
   val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches,
                                  jax.process_index(), jax.process_count())
   val_bytes = steps.scored_bytes(val_batches, data.tokenizer.token_bytes)
@@ -169,13 +173,11 @@ def enter_phase(phase, step, cfg, tx, shardings, abstract_state, ckpt, phase1, t
   return state
 
 
-def adopt_source(cfg, workdir):
+def adopt_source(cfg):
   """train.init_from: check, before anything compiles, that the source has every parameter of
-  this model; and read its token ids (copy its tokenizer) unless data.tokenizer says otherwise."""
+  this model -> its tokenizer (the run keeps its token ids), unless data.tokenizer names another."""
   source_cfg, _ = load.check_init_from(cfg.train.init_from, cfg, nnx.to_pure_dict(steps.abstract_model(cfg)[1]))
-  target = os.path.join(workdir, TOKENIZER_FILENAME)
-  if not cfg.data.tokenizer and not os.path.exists(target):
-    shutil.copy(load.load_tokenizer(cfg.train.init_from, source_cfg).path, target)
+  return None if cfg.data.tokenizer else load.load_tokenizer(cfg.train.init_from, source_cfg)
 
 
 def check_same_optimizer(cfg, saved, path):
