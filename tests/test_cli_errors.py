@@ -128,6 +128,8 @@ TRAIN_CASES = {
     "init_from of another shape": ("{tmp}/run", ["train.init_from={run}", "model.d_model=48"],
                                    ["train.init_from", "(2, 32, 16) in", "(2, 48, 16) here"]),
     "resume another shape": ("{run}", ["model.d_model=48"], ["--workdir", "another model", "(2, 32, 16) there"]),
+    "vocab far above the tokenizer": ("{tmp}/run", ["model.vocab_size=200000"],
+                                      ["model.vocab_size=200000", "624 pieces", "model.vocab_size=640"]),
     "unknown config field": ("{tmp}/run", ["train.stepz=5"], ["train.stepz", "not a config field"]),
 }
 
@@ -186,6 +188,8 @@ def test_loading_commands_refuse_bad_paths(module, argv, names, tmp_path, bad, r
 @pytest.mark.parametrize("extra,names", [
     (["--steps=5"], ["unknown flag --steps"]),  # refused, not ignored
     (["--config.data.source={tmp}/nope"], ["data.source", "matches no file"]),
+    (["--config.data.source=kjv", "--config.model.vocab_size=200000"],  # not a 52M-param model of unused rows
+     ["model.vocab_size=200000", "34090 pieces", "model.vocab_size=34176"]),
 ])
 def test_a_real_process_behaves_as_main(extra, names, tmp_path, corpus_dir):
   out = subprocess.run([sys.executable, "-m", "latent_jax.train", *train_args(corpus_dir, tmp_path / "run"),

@@ -354,12 +354,16 @@ def test_given_tokenizer_is_used_and_vocab_checked(corpus, tmp_path):
   given = tmp_path / "given.model"
   Tokenizer(str(given), tokenizer_lib.train_tokenizer(docs, 330)).save()
   vocab = Tokenizer(str(given)).vocab_size
-  cfg = tiny_config(folder, vocab_size=400, tokenizer=str(given))
+  assert vocab == 330 and tokenizer_lib.max_vocab_size(vocab) == 384  # padded to a multiple of 128
+  cfg = tiny_config(folder, vocab_size=384, tokenizer=str(given))
   data = build_data(cfg, str(tmp_path / "run"))
   assert data.tokenizer.path == str(given)
   assert not (tmp_path / "run" / "tokenizer.model").exists()
   with pytest.raises(ValueError, match=f"model.vocab_size={vocab - 1}"):
     load_or_train_tokenizer(cfg.data, vocab - 1, str(tmp_path / "run"), docs)
+  with pytest.raises(ValueError, match="model.vocab_size=385 is far above the 330 pieces.*Set model.vocab_size=384"):
+    load_or_train_tokenizer(cfg.data, 385, str(tmp_path / "run"), docs)
+  assert tokenizer_lib.max_vocab_size(2000) == 2200 and tokenizer_lib.max_vocab_size(34090) == 37499  # or 10% more
   cfg.data.tokenizer = str(tmp_path / "nope.model")
   with pytest.raises(FileNotFoundError, match="data.tokenizer"):
     build_data(cfg, str(tmp_path / "run"))

@@ -6,8 +6,9 @@ A tokenizer trained (or adopted from train.init_from) for a workdir stays in mem
 The trained tokenizer is lossless: identity normalisation, no dummy prefix, whitespace
 kept as is and "\\n" a piece of its own, so `decode(encode(x)) == x` and the bytes of
 the pieces (`token_bytes`) add up to the text's UTF-8 length; bits-per-byte is exact.
-`model.vocab_size` is an upper bound: on a corpus too small to learn that many merges
-the tokenizer comes out smaller (the embedding rows past it are simply unused).
+`model.vocab_size` is the size asked for: on a corpus too small to learn that many merges
+the tokenizer comes out smaller. The model's vocabulary may exceed the tokenizer's by padding
+only (`max_vocab_size`), as embedding rows past the tokenizer never see a token.
 """
 from __future__ import annotations
 
@@ -152,10 +153,22 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
   elif source is not None:
     tok, origin = Tokenizer(path, source.proto), f"train.init_from's {source.path}"
   else:
-    tok, origin = Tokenizer(path, train_tokenizer(train_docs, vocab_size)), "the trained tokenizer"
+    tok = Tokenizer(path, train_tokenizer(train_docs, vocab_size))
+    origin = "the tokenizer trained on data.source (whose text holds no more BPE merges)"
   if tok.vocab_size > vocab_size:
     raise ValueError(
         f"{origin} has {tok.vocab_size} pieces but model.vocab_size={vocab_size}; set "
         f"model.vocab_size >= {tok.vocab_size}" +
         ("." if given else ", or use a fresh workdir to train a new tokenizer."))
+  if vocab_size > max_vocab_size(tok.vocab_size):
+    raise ValueError(
+        f"model.vocab_size={vocab_size} is far above the {tok.vocab_size} pieces of {origin}: embedding rows "
+        f"past them never see a token. Set model.vocab_size={-(-tok.vocab_size // 128) * 128}; at most "
+        f"{max_vocab_size(tok.vocab_size)} is allowed (the pieces rounded up to a multiple of 128, or 10% more, "
+        "whichever is larger).")
   return tok
+
+
+def max_vocab_size(pieces: int) -> int:
+  """The largest model.vocab_size for a tokenizer of `pieces` pieces: padding, not unused rows."""
+  return max(-(-pieces // 128) * 128, pieces + pieces // 10)
