@@ -363,6 +363,10 @@ def test_given_tokenizer_is_used_and_vocab_checked(corpus, tmp_path):
     load_or_train_tokenizer(cfg.data, vocab - 1, str(tmp_path / "run"), docs)
   with pytest.raises(ValueError, match="model.vocab_size=385 is far above the 330 pieces.*Set model.vocab_size=384"):
     load_or_train_tokenizer(cfg.data, 385, str(tmp_path / "run"), docs)
+  cfg.data.tokenizer = ""
+  (tmp_path / "run").mkdir()
+  Tokenizer(str(tmp_path / "run" / "tokenizer.model"), (tmp_path / "given.model").read_bytes()).save()
+  assert load_or_train_tokenizer(cfg.data, 385, str(tmp_path / "run"), docs).vocab_size == 330  # a run's own
   assert tokenizer_lib.max_vocab_size(2000) == 2200 and tokenizer_lib.max_vocab_size(34090) == 37499  # or 10% more
   cfg.data.tokenizer = str(tmp_path / "nope.model")
   with pytest.raises(FileNotFoundError, match="data.tokenizer"):

@@ -160,7 +160,8 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
         f"{origin} has {tok.vocab_size} pieces but model.vocab_size={vocab_size}; set "
         f"model.vocab_size >= {tok.vocab_size}" +
         ("." if given else ", or use a fresh workdir to train a new tokenizer."))
-  if vocab_size > max_vocab_size(tok.vocab_size):
+  # A workdir's own tokenizer is taken as it is: its run's model exists already (eval, resume).
+  if (given or tok.new) and vocab_size > max_vocab_size(tok.vocab_size):
     raise ValueError(
         f"model.vocab_size={vocab_size} is far above the {tok.vocab_size} pieces of {origin}: embedding rows "
         f"past them never see a token. Set model.vocab_size={-(-tok.vocab_size // 128) * 128}; at most "
