@@ -11,6 +11,9 @@ Flags are written `--name=value` or `--name value`; with CONFIG declared, `--con
 `--config.a.b v`) overrides a config field. An unknown flag, a value of the wrong type or out of
 range, and any bad setting, path or file met later end the command with `error: ...` on stderr,
 one line, exit code 2. Anything else is a bug and keeps its traceback.
+
+Flags that several commands take are constants here (CONFIG, STEP); a command's FLAGS is a plain
+list, so a shared group of them is added with `+`.
 """
 import contextlib
 import os
