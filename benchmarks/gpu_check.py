@@ -119,7 +119,7 @@ def main():
   print("| kernels.impl | tokens/s | TFLOP/s | MFU (of the data-sheet peak) |\n|---|---|---|---|")
   peak = flops.KNOWN_PEAK_FLOPS.get(jax.devices()[0].device_kind, float("nan"))
   for impl in ("pallas", "xla"):
-    cmd = ["-m", "benchmarks.train_throughput", "configs/d512.py", "--config.model.dtype=bfloat16",
+    cmd = ["-m", "benchmarks.train_throughput", "--config", "configs/d512.py", "--config.model.dtype=bfloat16",
            "--config.data.batch_size=64", "--config.data.seq_len=2048", f"--config.kernels.impl={impl}",
            f"--steps={reps}"]
     out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)

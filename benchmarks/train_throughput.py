@@ -1,31 +1,34 @@
 """Train-step throughput: tokens/s, FLOP/s, and their ratio to this machine's matmul peak.
 
-  python benchmarks/train_throughput.py configs/tiny.py [--config.a.b=v ...] [--steps=10]
+  python benchmarks/train_throughput.py --config configs/tiny.py [--config.a.b=v ...] [--steps=10]
 
 Random token batches (no data pipeline), the real jitted train step with its shardings.
 Reports compile time, then the median over `steps` timed steps; the matmul peak is measured
 in the same process, right before, in the model's compute dtype, at a size like the model's.
 """
 import json
-import sys
 import time
 
 import jax
 import numpy as np
 
-from latent_jax import load_config, objectives
-from latent_jax.config import parse_cli
+from latent_jax import cli, load_config, objectives
 from latent_jax.train import flops, sharding
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 
 
-def main(argv):
-  if not argv or argv[0].startswith("--"):
-    raise SystemExit(__doc__)
-  path, (_, overrides, flags) = argv[0], parse_cli(argv[1:])
+FLAGS = [cli.CONFIG, cli.Flag("steps", int, 10, "timed steps", lambda n: n >= 1, ">= 1")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    measure(args.config, args.overrides, args.steps)
+
+
+def measure(path, overrides, n_steps):
   cfg = load_config(path, overrides)
-  n_steps = int(flags.get("steps", 10))
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, abstract = steps.abstract_model(cfg)  # with the NITP / MTP heads the config enables
   tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
@@ -65,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main()

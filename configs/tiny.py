@@ -7,7 +7,7 @@ def get_config():
 
   c.model = ml_collections.ConfigDict()
   c.model.name = "baseline"            # baseline | concept (ConceptLM)
-  c.model.vocab_size = 2048
+  c.model.vocab_size = 2048             # BPE pieces; at most the tokenizer's rounded up to 128 (or +10%)
   c.model.d_model = 128
   c.model.num_layers = 4
   c.model.num_heads = 4

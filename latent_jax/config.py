@@ -82,7 +82,7 @@ def parse_value(raw, current, key):
       return raw
     return type(current)(ast.literal_eval(raw))
   except (ValueError, SyntaxError):
-    raise ConfigError(f"--config.{key}={raw}: expected a {type(current).__name__}.") from None
+    raise ConfigError(f"--config.{key}={raw}: expected a value like {current!r} ({type(current).__name__}).") from None
 
 
 def check(ok, field, message):
@@ -285,27 +285,6 @@ def validate_ncp(cfg):
   n = cfg.ncp
   check(n.alpha >= 0 and n.beta >= 0, "ncp.alpha/beta", f"loss weights must be >= 0, got {n.alpha}, {n.beta}.")
   check_choice(n.reduction, "ncp.reduction", ("paper", "algorithm1", "released"))
-
-
-def parse_cli(argv):
-  """Split `--config PATH --config.a.b=v --workdir DIR --other=x` into (path, overrides, flags)."""
-  path, overrides, flags = None, [], {}
-  args = list(argv)
-  while args:
-    arg = args.pop(0)
-    if not arg.startswith("--"):
-      raise SystemExit(f"unexpected argument {arg!r}; flags look like --name=value")
-    name, eq, value = arg[2:].partition("=")
-    if name.startswith("config."):
-      overrides.append(arg[2:] if eq else f"{name}={args.pop(0) if args else ''}")
-      continue
-    if not eq:
-      value = args.pop(0) if args and not args[0].startswith("--") else "true"
-    if name == "config":
-      path = value
-    else:
-      flags[name.replace("-", "_")] = value
-  return path, overrides, flags
 
 
 def validate_drafter(cfg):

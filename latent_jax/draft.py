@@ -8,7 +8,6 @@ curve, the measurements) and DIR/params (Orbax); never overwrites an earlier res
 """
 import json
 import os
-import sys
 import time
 
 import jax
@@ -19,13 +18,15 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax.config import ConfigError, load_config, parse_cli
+from latent_jax import cli
+from latent_jax.config import ConfigError, load_config
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
 from latent_jax.data.pipeline import num_windows
 from latent_jax.infer import load
 from latent_jax.infer.speculative import speculative_generate
 from latent_jax.nn.drafter import BlockDrafter, draft, target_features
 from latent_jax.ops import drafting as D
+from latent_jax.train import checkpoint
 from latent_jax.train.optim import decays, is_axes
 from latent_jax.train.step import axes_tree
 
@@ -118,6 +119,10 @@ def run(cfg, workdir, log=print):
   for path in (out, os.path.join(workdir, "params")):
     if os.path.exists(path):
       raise FileExistsError(f"{path} exists; pick another --workdir (an earlier result is never overwritten).")
+  cli.writable_dir(workdir, "--workdir")
+  if not (load.is_export(cfg.target) or checkpoint.has_checkpoints(cfg.target)):
+    raise FileNotFoundError(f"target: {cfg.target!r} is neither a training workdir with checkpoints nor an export "
+                            "folder; train first, or point --config.target at a trained run's workdir.")
   target, target_cfg, tokenizer = load.load_model(cfg.target)
   if cfg.drafter.concept != "none" and target_cfg.model.name != "concept":
     raise ConfigError(f"drafter.concept={cfg.drafter.concept!r} needs a ConceptLM target, but {cfg.target} is "
@@ -133,6 +138,7 @@ def run(cfg, workdir, log=print):
   drafter, history = train_drafter(target, cfg, data, target_cfg.data.seq_len, log)
   result = {"config": cfg.to_dict(), "target_model": target_identity(target_cfg.model), "history": history, "train_seconds": round(time.time() - start, 1),
             **evaluate_drafter(target, drafter, cfg, data, target_cfg.data.seq_len)}
+  os.makedirs(workdir, exist_ok=True)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.abspath(os.path.join(workdir, "params")), nnx.to_pure_dict(nnx.state(drafter)))
   checkpointer.wait_until_finished()
@@ -167,16 +173,15 @@ def load_drafter(workdir, target_cfg):
   return nnx.merge(graphdef, abstract), cfg
 
 
-def main(argv):
-  path, overrides, flags = parse_cli(argv)
-  if path is None or "workdir" not in flags:
-    raise SystemExit(__doc__)
-  result = run(load_config(path, overrides), flags["workdir"])
-  print(json.dumps({k: result[k] for k in ("val_loss", "slot_accuracy", "mal", "prompts", "rounds")}))
+FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the drafter's folder (drafter.json, params/)")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    result = run(load_config(args.config, args.overrides), args.workdir)
+    print(json.dumps({k: result[k] for k in ("val_loss", "slot_accuracy", "mal", "prompts", "rounds")}))
 
 
 if __name__ == "__main__":
-  try:
-    main(sys.argv[1:])
-  except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad paths and settings: no traceback
-    raise SystemExit(f"error: {e}") from None
+  main()

@@ -1,47 +1,51 @@
-"""python -m latent_jax.eval --workdir DIR [--step=N] [--batches=0]
+"""python -m latent_jax.eval --workdir DIR [--step=N] [--batches=N]
 
 Validation loss (nats/token) and bits per byte on the held-out split of the run's data, for the
 latest (or a named) checkpoint of a workdir, or for an export folder. The split and tokenizer are
-rebuilt from the saved config exactly as in training.
+rebuilt from the saved config exactly as in training, and by default the same batches are scored
+as the training's own validation (its train.eval_batches); --batches=0 scores the whole split.
+The JSON line says what was covered: `batches` of `split_batches`, and the scored `tokens`.
 """
 import json
-import sys
 
 import jax
 from flax import nnx
 
-from latent_jax.config import parse_cli
+from latent_jax import cli
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.infer import load
 from latent_jax.train import sharding
 from latent_jax.train import step as steps
 
 
-def evaluate_dir(directory, step=None, max_batches=0):
+def evaluate_dir(directory, step=None, max_batches=None):
+  """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all."""
   cfg, step = load.load_config(directory, step)
   graphdef, params = load.load_params(directory, cfg, step)
   data = build_data(cfg, directory)
-  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
-                             jax.process_index(), jax.process_count())
+  split = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, 0, jax.process_index(), jax.process_count())
+  max_batches = cfg.train.eval_batches if max_batches is None else max_batches
+  batches = split[:max_batches] if max_batches else split
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1  # evaluation runs data-parallel only
   mesh = sharding.make_mesh(cfg.mesh)
   _, abstract = steps.abstract_model(cfg.model)
   param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
   eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh)
   result = steps.evaluate(eval_step, params, batches, steps.scored_bytes(batches, data.tokenizer.token_bytes), mesh)
-  return {"step": step, **result}
+  tokens = sum(int((b["targets"] >= 0).sum()) for b in batches)
+  return {"step": step, **result, "batches": len(batches), "split_batches": len(split), "tokens": tokens}
 
 
-def main(argv):
-  _, _, flags = parse_cli(argv)
-  if "workdir" not in flags:
-    raise SystemExit(__doc__)
-  print(json.dumps(evaluate_dir(flags["workdir"], int(flags["step"]) if "step" in flags else None,
-                                int(flags.get("batches", 0)))))
+FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,
+         cli.Flag("batches", int, None, "validation batches to score; 0 = the whole split; default: the run's "
+                  "train.eval_batches, as its training scored", lambda n: n >= 0, ">= 0")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    print(json.dumps(evaluate_dir(args.workdir, args.step, args.batches)))
 
 
 if __name__ == "__main__":
-  try:
-    main(sys.argv[1:])
-  except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad paths and settings: no traceback
-    raise SystemExit(f"error: {e}") from None
+  main()

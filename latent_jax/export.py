@@ -8,28 +8,29 @@ the MTP block) are left out, and the saved config has nitp/mtp disabled to match
 import json
 import os
 import shutil
-import sys
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from latent_jax.config import DTYPES, parse_cli
+from latent_jax import cli
+from latent_jax.config import DTYPES
 from latent_jax.infer import load
 from latent_jax.train import checkpoint
 
 
 def export(workdir, out, step=None, dtype=None):
+  if dtype is not None and dtype not in DTYPES:
+    raise ValueError(f"--dtype={dtype}: use one of {DTYPES}.")
+  if os.path.exists(out):
+    raise FileExistsError(f"--out {out!r} exists; choose a new folder (export never overwrites).")
+  cli.writable_dir(out, "--out")
   cfg, step = load.load_config(workdir, step)
   _, params = load.load_params(workdir, cfg, step)  # the inference model's params only
   cfg = load.inference_config(cfg)
   dtype = dtype or cfg.model.dtype
-  if dtype not in DTYPES:
-    raise ValueError(f"--dtype={dtype}: use one of {DTYPES}.")
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
   cfg.model.param_dtype = dtype
-  if os.path.exists(out):
-    raise FileExistsError(f"--out {out!r} exists; choose a new folder (export never overwrites).")
   os.makedirs(out)
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(os.path.abspath(os.path.join(out, "params")), params)
@@ -40,16 +41,17 @@ def export(workdir, out, step=None, dtype=None):
   return out
 
 
-def main(argv):
-  _, _, flags = parse_cli(argv)
-  if "workdir" not in flags or "out" not in flags:
-    raise SystemExit(__doc__)
-  out = export(flags["workdir"], flags["out"], int(flags["step"]) if "step" in flags else None, flags.get("dtype"))
-  print(f"exported to {out}")
+FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir"),
+         cli.Flag("out", str, cli.REQUIRED, "the export folder, which must not exist yet"), cli.STEP,
+         cli.Flag("dtype", str, None, "the parameters' dtype; the model's compute dtype when not given",
+                  lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    print(f"exported to {export(args.workdir, args.out, args.step, args.dtype)}")
 
 
 if __name__ == "__main__":
-  try:
-    main(sys.argv[1:])
-  except (FileNotFoundError, FileExistsError, ValueError) as e:  # bad paths and settings: no traceback
-    raise SystemExit(f"error: {e}") from None
+  main()

@@ -13,7 +13,8 @@ import pytest
 
 from latent_jax.data import (Data, Tokenizer, build_data, load_documents,
                              load_or_train_tokenizer, make_train_iterator, make_val_batches,
-                             pack_rows, split_documents, token_stream, unigram_entropy)
+                             pack_rows, save_tokenizer, split_documents, token_stream,
+                             unigram_entropy)
 from latent_jax.data import tokenizer as tokenizer_lib
 from latent_jax.data.corpus import kjv_documents
 
@@ -314,8 +315,10 @@ def test_tokenizer_trained_once_then_reused(corpus, tmp_path, monkeypatch):
   workdir = tmp_path / "run"
   data = build_data(cfg, str(workdir))
   path = workdir / "tokenizer.model"
-  assert data.tokenizer.path == str(path)
+  assert data.tokenizer.path == str(path) and data.tokenizer.new and not workdir.exists()  # in memory
   assert data.tokenizer.vocab_size <= cfg.model.vocab_size
+  save_tokenizer(data, str(workdir))
+  assert not data.tokenizer.new
   before, stat = path.read_bytes(), path.stat()
 
   def no_training(*args, **kwargs):
@@ -323,6 +326,8 @@ def test_tokenizer_trained_once_then_reused(corpus, tmp_path, monkeypatch):
 
   monkeypatch.setattr(tokenizer_lib, "train_tokenizer", no_training)
   again = build_data(cfg, str(workdir))
+  assert not again.tokenizer.new
+  save_tokenizer(again, str(workdir))
   assert path.read_bytes() == before and path.stat().st_mtime_ns == stat.st_mtime_ns
   np.testing.assert_array_equal(again.train_tokens, data.train_tokens)
   np.testing.assert_array_equal(again.val_tokens, data.val_tokens)
@@ -331,11 +336,11 @@ def test_tokenizer_trained_once_then_reused(corpus, tmp_path, monkeypatch):
 
 def test_tokenizer_training_is_deterministic_and_lossless(corpus, tmp_path):
   _, docs = corpus
-  a, b = tmp_path / "a.model", tmp_path / "b.model"
-  tokenizer_lib.train_tokenizer(docs, 320, str(a))
-  tokenizer_lib.train_tokenizer(docs, 320, str(b))
-  assert a.read_bytes() == b.read_bytes()
-  tok = Tokenizer(str(a))
+  proto = tokenizer_lib.train_tokenizer(docs, 320)
+  assert tokenizer_lib.train_tokenizer(docs, 320) == proto
+  Tokenizer(str(tmp_path / "a.model"), proto).save()
+  tok = Tokenizer(str(tmp_path / "a.model"))
+  assert not tok.new and tok.proto == proto
   text = "Behold  the\nriver,\tcaf\u00e9 \u6c34 42!\n"  # unseen chars -> byte fallback
   ids = tok.encode(text)
   assert tok.decode(ids) == text
@@ -347,14 +352,22 @@ def test_tokenizer_training_is_deterministic_and_lossless(corpus, tmp_path):
 def test_given_tokenizer_is_used_and_vocab_checked(corpus, tmp_path):
   folder, docs = corpus
   given = tmp_path / "given.model"
-  tokenizer_lib.train_tokenizer(docs, 330, str(given))
+  Tokenizer(str(given), tokenizer_lib.train_tokenizer(docs, 330)).save()
   vocab = Tokenizer(str(given)).vocab_size
-  cfg = tiny_config(folder, vocab_size=400, tokenizer=str(given))
+  assert vocab == 330 and tokenizer_lib.max_vocab_size(vocab) == 384  # padded to a multiple of 128
+  cfg = tiny_config(folder, vocab_size=384, tokenizer=str(given))
   data = build_data(cfg, str(tmp_path / "run"))
   assert data.tokenizer.path == str(given)
   assert not (tmp_path / "run" / "tokenizer.model").exists()
   with pytest.raises(ValueError, match=f"model.vocab_size={vocab - 1}"):
     load_or_train_tokenizer(cfg.data, vocab - 1, str(tmp_path / "run"), docs)
+  with pytest.raises(ValueError, match="model.vocab_size=385 is far above the 330 pieces.*Set model.vocab_size=384"):
+    load_or_train_tokenizer(cfg.data, 385, str(tmp_path / "run"), docs)
+  cfg.data.tokenizer = ""
+  (tmp_path / "run").mkdir()
+  Tokenizer(str(tmp_path / "run" / "tokenizer.model"), (tmp_path / "given.model").read_bytes()).save()
+  assert load_or_train_tokenizer(cfg.data, 385, str(tmp_path / "run"), docs).vocab_size == 330  # a run's own
+  assert tokenizer_lib.max_vocab_size(2000) == 2200 and tokenizer_lib.max_vocab_size(34090) == 37499  # or 10% more
   cfg.data.tokenizer = str(tmp_path / "nope.model")
   with pytest.raises(FileNotFoundError, match="data.tokenizer"):
     build_data(cfg, str(tmp_path / "run"))
@@ -368,7 +381,7 @@ def test_build_data_errors(corpus, tmp_path):
     build_data(tiny_config(folder, seq_len=1), str(tmp_path / "b"))
   with pytest.raises(ValueError, match="data.val_fraction"):
     build_data(tiny_config(folder / "doc00.txt"), str(tmp_path / "c"))
-  assert not (tmp_path / "c").exists()  # raised before the workdir or tokenizer
+  assert not any((tmp_path / d).exists() for d in "abc")  # build_data writes nothing, not even the workdir
 
 
 def test_build_data_end_to_end(corpus, tmp_path):

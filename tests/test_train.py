@@ -97,6 +97,12 @@ def test_generate_eval_export_cli(tmp_path, corpus_dir):
   assert ev.returncode == 0, ev.stderr
   result = json.loads(ev.stdout.strip().splitlines()[-1])
   assert result["step"] == 6 and 0 < result["val_loss"] < 10 and result["val_bpb"] > 0
+  # By default eval scores what the training's validation scored (train.eval_batches=2): same numbers.
+  assert (result["batches"], result["val_loss"], result["val_bpb"]) == (2, logged[-1]["val_loss"], logged[-1]["val_bpb"])
+  whole = subprocess.run(cli("latent_jax.eval", "--workdir", str(run), "--batches=0"), cwd=ROOT, capture_output=True,
+                         text=True)
+  whole = json.loads(whole.stdout.strip().splitlines()[-1])
+  assert whole["batches"] == whole["split_batches"] > 2 and whole["tokens"] > result["tokens"]
 
   out = tmp_path / "export"
   subprocess.run(cli("latent_jax.export", "--workdir", str(run), "--out", str(out)), check=True, cwd=ROOT)

@@ -1,6 +1,7 @@
 """Data: corpus -> document split -> SentencePiece tokenizer -> packed, checkpointable batches.
 
   data = build_data(cfg, workdir)                      # Data: tokenizer, token streams
+  save_tokenizer(data, workdir)                        # a trained tokenizer, once checks pass
   it = make_train_iterator(data, seq_len, batch_size, seed, process_index, process_count)
   batch = next(it)            # {"inputs", "targets", "segment_ids", "positions"} int32
   val = make_val_batches(data, seq_len, batch_size, max_batches)
@@ -10,12 +11,12 @@ The iterator's state goes into every checkpoint with Grain's Orbax handler:
 """
 from latent_jax.data.corpus import load_documents, split_documents
 from latent_jax.data.pipeline import (FEATURES, Data, build_data, make_train_iterator,
-                                      make_val_batches, pack_rows, token_stream,
+                                      make_val_batches, pack_rows, save_tokenizer, token_stream,
                                       unigram_entropy)
 from latent_jax.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, load_or_train_tokenizer
 
 __all__ = [
     "FEATURES", "Data", "TOKENIZER_FILENAME", "Tokenizer", "build_data", "load_documents",
     "load_or_train_tokenizer", "make_train_iterator", "make_val_batches", "pack_rows",
-    "split_documents", "token_stream", "unigram_entropy",
+    "save_tokenizer", "split_documents", "token_stream", "unigram_entropy",
 ]

@@ -78,6 +78,9 @@ def _decode(path: str) -> str:
   """Reads a file as UTF-8 (a BOM is dropped, CRLF becomes LF); errors name the offset."""
   with open(path, "rb") as f:
     raw = f.read()
+  if b"\0" in raw:  # no UTF-8 text holds NUL
+    raise ValueError(f"data.source: {path} holds NUL bytes, so it is a binary file (or UTF-16 text); leave it "
+                     "out of data.source, or re-encode it as UTF-8.")
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:

@@ -186,14 +186,14 @@ def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int
 # ----------------------------------------------------------------------------- build
 
 
-def build_data(cfg, workdir: str) -> Data:
-  """Corpus -> document split -> tokenizer (given, reused or trained) -> token streams."""
+def build_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
+  """Corpus -> document split -> tokenizer (given, the workdir's, train.init_from's `source`, or
+  trained) -> token streams. Writes nothing: `save_tokenizer` does, once the caller's checks pass."""
   d = cfg.data
   _check_shape(d.seq_len, d.batch_size)  # before anything heavy
   docs = load_documents(d.source, d.get("doc_separator", ""))
   train_docs, val_docs = split_documents(docs, d.val_fraction)
-  os.makedirs(workdir, exist_ok=True)
-  tok = load_or_train_tokenizer(d, cfg.model.vocab_size, workdir, train_docs)
+  tok = load_or_train_tokenizer(d, cfg.model.vocab_size, workdir, train_docs, source)
   # Re-tokenising is cheap (the KJV: ~1 s), so streams are not cached on disk.
   train = token_stream(tok.encode_batch(train_docs), tok.eos_id)
   val = token_stream(tok.encode_batch(val_docs), tok.eos_id)
@@ -201,3 +201,10 @@ def build_data(cfg, workdir: str) -> Data:
   return Data(tokenizer=tok, train_tokens=train, val_tokens=val,
               num_docs={"train": len(train_docs), "val": len(val_docs)},
               unigram_entropy=unigram_entropy(train, tok.vocab_size))
+
+
+def save_tokenizer(data: Data, workdir: str):
+  """Creates the workdir and writes WORKDIR/tokenizer.model when the tokenizer is new to it."""
+  os.makedirs(workdir, exist_ok=True)
+  if data.tokenizer.new:
+    data.tokenizer.save()

@@ -1,10 +1,14 @@
 """SentencePiece tokenizer: load a given `.model`, reuse the workdir's, or train BPE.
 
+A tokenizer trained (or adopted from train.init_from) for a workdir stays in memory until
+`save()`, which the train loop calls once every check has passed: bad input writes nothing.
+
 The trained tokenizer is lossless: identity normalisation, no dummy prefix, whitespace
 kept as is and "\\n" a piece of its own, so `decode(encode(x)) == x` and the bytes of
 the pieces (`token_bytes`) add up to the text's UTF-8 length; bits-per-byte is exact.
-`model.vocab_size` is an upper bound: on a corpus too small to learn that many merges
-the tokenizer comes out smaller (the embedding rows past it are simply unused).
+`model.vocab_size` is the size asked for: on a corpus too small to learn that many merges
+the tokenizer comes out smaller. The model's vocabulary may exceed the tokenizer's by padding
+only (`max_vocab_size`), as embedding rows past the tokenizer never see a token.
 """
 from __future__ import annotations
 
@@ -12,7 +16,6 @@ import io
 import os
 import re
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -25,11 +28,17 @@ _SENTENCE_END = re.compile(r"(?<=[.!?;:])(?=\s)")
 
 
 class Tokenizer:
-  """A thin wrapper over `sentencepiece.SentencePieceProcessor`."""
+  """A thin wrapper over `sentencepiece.SentencePieceProcessor`, read from the `.model` file at
+  `path`, or given as `proto` (a serialised model): then `new` until `save()` writes it to `path`."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, proto: bytes | None = None):
     self.path = os.fspath(path)
-    self.sp = spm.SentencePieceProcessor(model_file=self.path)
+    self.new = proto is not None
+    if proto is None:
+      with open(self.path, "rb") as f:
+        proto = f.read()
+    self.proto = proto
+    self.sp = _processor(proto, self.path)
     self.vocab_size: int = self.sp.get_piece_size()
     self.eos_id: int = self.sp.eos_id()
     self.bos_id: int = self.sp.bos_id()  # -1 when the model has none
@@ -50,8 +59,28 @@ class Tokenizer:
   def decode(self, ids: Sequence[int]) -> str:
     return self.sp.decode([int(i) for i in ids])
 
+  def save(self):
+    """Writes the model to `path` atomically: readers never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(self.path)), prefix=".tokenizer.", suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+      f.write(self.proto)
+    os.replace(tmp, self.path)
+    self.new = False
+
   def __repr__(self) -> str:
     return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _processor(proto: bytes, path: str) -> spm.SentencePieceProcessor:
+  """The processor of a serialised model; an error naming `path` when the bytes are not one."""
+  try:
+    sp = spm.SentencePieceProcessor(model_proto=proto) if proto else None  # b"" would load, as nothing
+  except RuntimeError:
+    sp = None
+  if sp is None:
+    raise ValueError(f"{path} is not a SentencePiece model; use the tokenizer.model of a run, or a "
+                     ".model file that SentencePiece wrote.")
+  return sp
 
 
 def _token_bytes(sp: spm.SentencePieceProcessor) -> np.ndarray:
@@ -80,9 +109,8 @@ def _sentences(docs: Sequence[str]) -> Iterator[str]:
           yield piece
 
 
-def train_tokenizer(docs: Sequence[str], vocab_size: int, path: str) -> float:
-  """Trains SentencePiece BPE on `docs` and writes it atomically to `path`; returns secs."""
-  t0 = time.perf_counter()
+def train_tokenizer(docs: Sequence[str], vocab_size: int) -> bytes:
+  """Trains SentencePiece BPE on `docs`, in memory -> the serialised model."""
   model = io.BytesIO()
   spm.set_random_generator_seed(0)  # sentence sampling; one thread keeps merges fixed
   try:
@@ -99,36 +127,54 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int, path: str) -> float:
     raise ValueError(f"model.vocab_size={vocab_size}: SentencePiece could not train a BPE "
                      f"tokenizer of that size on the training split ({e}); change "
                      "model.vocab_size as it says, or give data.tokenizer.") from e
-  folder = os.path.dirname(os.path.abspath(path))
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tokenizer.", suffix=".tmp")
-  with os.fdopen(fd, "wb") as f:
-    f.write(model.getvalue())
-  os.replace(tmp, path)  # readers never see a half-written model
-  return time.perf_counter() - t0
+  return model.getvalue()
 
 
-def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str,
-                            train_docs: Sequence[str]) -> Tokenizer:
-  """`data.tokenizer` if given, else `WORKDIR/tokenizer.model` if present, else train one.
+def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs: Sequence[str],
+                            source: Tokenizer | None = None) -> Tokenizer:
+  """`data.tokenizer` if given, else `WORKDIR/tokenizer.model` if present, else `source` (the
+  tokenizer of train.init_from), else one trained on `train_docs`; the last two are `new`.
 
   A workdir's tokenizer is never retrained: a resumed run must see the same ids.
   """
   given = getattr(data_cfg, "tokenizer", "") or ""
+  path = os.path.join(workdir, TOKENIZER_FILENAME)
   if given:
     given = os.path.expanduser(given)
     if not os.path.isfile(given):
       raise FileNotFoundError(f"data.tokenizer: {given!r} does not exist; give a "
                               "SentencePiece .model file, or '' to train one.")
-    tok, origin = Tokenizer(given), f"data.tokenizer={given!r}"
+    try:
+      tok, origin = Tokenizer(given), f"data.tokenizer={given!r}"
+    except ValueError as e:
+      raise ValueError(f"data.tokenizer: {str(e).removesuffix('.')}, or '' to train one.") from None
+  elif os.path.isfile(path):
+    try:
+      tok, origin = Tokenizer(path), path
+    except ValueError:
+      raise ValueError(f"{path} is damaged (not a SentencePiece model), and every checkpoint of this workdir "
+                       "needs the token ids it defines: copy it back from an export of this run or a backup; it "
+                       "cannot be retrained to the same ids.") from None
+  elif source is not None:
+    tok, origin = Tokenizer(path, source.proto), f"train.init_from's {source.path}"
   else:
-    path = os.path.join(workdir, TOKENIZER_FILENAME)
-    if not os.path.isfile(path):
-      train_tokenizer(train_docs, vocab_size, path)
-    tok, origin = Tokenizer(path), path
+    tok = Tokenizer(path, train_tokenizer(train_docs, vocab_size))
+    origin = "the tokenizer trained on data.source (whose text holds no more BPE merges)"
   if tok.vocab_size > vocab_size:
     raise ValueError(
         f"{origin} has {tok.vocab_size} pieces but model.vocab_size={vocab_size}; set "
         f"model.vocab_size >= {tok.vocab_size}" +
         ("." if given else ", or use a fresh workdir to train a new tokenizer."))
+  # A workdir's own tokenizer is taken as it is: its run's model exists already (eval, resume).
+  if (given or tok.new) and vocab_size > max_vocab_size(tok.vocab_size):
+    raise ValueError(
+        f"model.vocab_size={vocab_size} is far above the {tok.vocab_size} pieces of {origin}: embedding rows "
+        f"past them never see a token. Set model.vocab_size={-(-tok.vocab_size // 128) * 128}; at most "
+        f"{max_vocab_size(tok.vocab_size)} is allowed (the pieces rounded up to a multiple of 128, or 10% more, "
+        "whichever is larger).")
   return tok
+
+
+def max_vocab_size(pieces: int) -> int:
+  """The largest model.vocab_size for a tokenizer of `pieces` pieces: padding, not unused rows."""
+  return max(-(-pieces // 128) * 128, pieces + pieces // 10)

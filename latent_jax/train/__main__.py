@@ -1,19 +1,21 @@
-"""python -m latent_jax.train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR"""
-import sys
+"""python -m latent_jax.train --config configs/tiny.py [--config.a.b=v ...] --workdir DIR
 
-from latent_jax.config import ConfigError, load_config, parse_cli
+Trains a new run in DIR, or resumes the one there from its latest checkpoint (README: "What can
+go wrong" says what a resume checks, and what --allow_data_change lets through)."""
+from latent_jax import cli
+from latent_jax.config import load_config
 from latent_jax.train.loop import NonFiniteLoss, train
+from latent_jax.train.workdir import WorkdirBusy
+
+FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the run's folder: created, or resumed from"),
+         cli.Flag("allow_data_change", bool, False, "resume although data.* or train.seed differ from the checkpoint's")]
 
 
-def main(argv):
-  path, overrides, flags = parse_cli(argv)
-  if path is None or "workdir" not in flags:
-    raise SystemExit(__doc__)
-  try:
-    train(load_config(path, overrides), flags["workdir"])
-  except (ConfigError, NonFiniteLoss) as e:
-    raise SystemExit(f"error: {e}") from None
+def main(argv=None):
+  with cli.errors(NonFiniteLoss, WorkdirBusy):
+    args = cli.parse(__doc__, FLAGS, argv)
+    train(load_config(args.config, args.overrides), args.workdir, args.allow_data_change)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  main()

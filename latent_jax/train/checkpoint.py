@@ -7,7 +7,9 @@ an interrupted save leaves only a temporary folder that the next training ignore
 Readers (eval, generate, export) open the folders read-only: they list committed steps only and
 never touch a training's in-flight temporary folders.
 """
+import contextlib
 import json
+import logging
 import os
 
 import grain
@@ -25,9 +27,11 @@ class Checkpoints:
     """
     self.directory = os.path.abspath(os.path.join(workdir, subdir))
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=not read_only, read_only=read_only,
-        enable_async_checkpointing=async_save and not read_only, cleanup_tmp_directories=not read_only)
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+        max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1, create=not read_only,
+        read_only=read_only, enable_async_checkpointing=async_save and not read_only,
+        cleanup_tmp_directories=not read_only)
+    with quiet_orbax():  # which warns that a read-only manager is read-only
+      self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -60,6 +64,23 @@ class Checkpoints:
     step_array = jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), abstract_state["step"].sharding)
     return {"params": out["params"], "opt_state": out["opt_state"], "step": step_array}, out["meta"]
 
+  def layout_differences(self, step, abstract_state):
+    """Entries ("opt_state/1/0/count (): saved, not built") where the saved params or optimiser
+    state differ in path or shape from `abstract_state`: a config change, not damage."""
+    out = []
+    for item in ("params", "opt_state"):
+      folder = os.path.join(self.path(step), item)
+      with quiet_orbax():  # which warns that an item folder has no step metadata of its own
+        saved = layout(ocp.StandardCheckpointer().metadata(folder).item_metadata) if os.path.isdir(folder) else {}
+      if not saved:  # a missing item is damage, not another layout
+        raise FileNotFoundError(f"{folder} is missing or holds no arrays")
+      here = layout(abstract_state[item])
+      out += [f"{item}/{k} {saved[k]}: saved, not built here" for k in sorted(saved.keys() - here.keys())]
+      out += [f"{item}/{k} {here[k]}: built here, not saved" for k in sorted(here.keys() - saved.keys())]
+      out += [f"{item}/{k}: saved {saved[k]}, built here {here[k]}" for k in sorted(saved.keys() & here.keys())
+              if saved[k] != here[k]]
+    return out
+
   def restore_params(self, step, abstract_params):
     out = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
     return out["params"]
@@ -73,6 +94,29 @@ class Checkpoints:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+  """Orbax's warnings about what we do on purpose go to absl's logger: keep them off the console."""
+  absl = logging.getLogger("absl")
+  level = absl.level
+  absl.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    absl.setLevel(level)
+
+
+def layout(tree):
+  """{"a/0/b": shape} of a pytree, dict keys, sequence indices and attribute names alike (a NamedTuple
+  optimiser state is saved as a list)."""
+  def name(k):
+    for attr in ("key", "idx", "name"):
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+  return {"/".join(map(name, p)): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def has_checkpoints(workdir):

@@ -4,7 +4,6 @@ A plain run has one phase; a TST run two (train/phases.py, docs/tst.md).
 """
 import math
 import os
-import shutil
 import signal
 import time
 
@@ -14,14 +13,15 @@ import numpy as np
 import tqdm
 from flax import nnx
 
+from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
-from latent_jax.data import FEATURES, TOKENIZER_FILENAME, build_data, make_train_iterator, make_val_batches
+from latent_jax.data import FEATURES, build_data, make_train_iterator, make_val_batches, save_tokenizer
 from latent_jax.infer import load
 from latent_jax.train import checkpoint, flops, phases, resume, sharding
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter, read_metrics
 from latent_jax.train.optim import build_optimizer, trainable_mask
-from latent_jax.train.workdir import WorkdirLock
+from latent_jax.train.workdir import WorkdirLock, remove_if_empty, workdir_created
 
 
 class NonFiniteLoss(RuntimeError):
@@ -36,23 +36,28 @@ def train(cfg, workdir, allow_data_change=False):
   """
   started = time.perf_counter()
   validate(cfg)
-  os.makedirs(workdir, exist_ok=True)
-  lock = WorkdirLock(workdir)
+  writable_dir(workdir, "--workdir")
+  created = workdir_created(workdir)
+  lock = WorkdirLock(workdir)  # held before anything in the workdir is read
   try:
     return run(cfg, workdir, allow_data_change, started)
   finally:
     lock.release()
+    remove_if_empty(created)  # bad input stopped a new run before it wrote anything
 
 
 def run(cfg, workdir, allow_data_change, started):
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh)
-  if cfg.train.get("init_from") and not checkpoint.has_checkpoints(workdir):  # a resumed run ignores it
-    adopt_source(cfg, workdir)
+  source = None
+  if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from
+    resume.check_saved_config(workdir, cfg, allow_data_change)
+  elif cfg.train.get("init_from"):
+    source = adopt_source(cfg)
 
   # Data: corpus -> tokenizer (trained once, then reused) -> packed windows. Each phase opens
   # its own train iterator (TST phase 1 reads longer rows); validation is always plain NTP.
-  data = build_data(cfg, workdir)
+  data = build_data(cfg, workdir, source)
   plan = phases.plan(cfg)
   phases.check_data(plan, data.train_tokens.size, cfg.data.batch_size)
   val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches,
@@ -71,6 +76,7 @@ def run(cfg, workdir, allow_data_change, started):
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   abstract_state = checkpoint.abstract_like(
       jax.eval_shape(lambda: steps.init_state(cfg, cfg.train.seed, tx, shardings)), shardings)
+  save_tokenizer(data, workdir)  # the first write: bad input stops the run above, leaving nothing
 
   # Resume from the newest readable checkpoint in the workdir: a regular one, or in a TST run the
   # phase-1 result (WORKDIR/phase1, kept apart from max_to_keep), from which phase 2 starts.
@@ -79,10 +85,13 @@ def run(cfg, workdir, allow_data_change, started):
   meta = {"config": checkpoint.config_to_json(cfg)}
 
   def restore(step, saved):
-    """Check the saved config, then read the state (and, mid-phase, the data position)."""
-    for notice in resume.check_config(saved.restore_meta(step)["config"], meta["config"], saved.path(step),
-                                      allow_data_change):
-      print(notice)
+    """The state at `step` (and, mid-phase, the data position)."""
+    saved.restore_meta(step)
+    differences = saved.layout_differences(step, abstract_state)
+    if differences:  # readable, but of another layout: a config change (optim.clip_norm 0 <-> > 0, ...)
+      raise ConfigError(f"{saved.path(step)} holds a state of another layout than this config builds "
+                        f"({len(differences)} entries differ: {'; '.join(differences[:3])}); resume with the config "
+                        "it was saved with, or start a new --workdir with train.init_from=" + workdir + ".")
     if saved is phase1:  # phase 2 starts here, from this state, with a fresh iterator
       return phase1.restore(step, abstract_state, None)[0], None
     train_iter = open_iterator(phases.phase_at(plan, step))
@@ -109,7 +118,7 @@ def run(cfg, workdir, allow_data_change, started):
         f"unigram entropy {data.unigram_entropy:.3f} nats/token")
 
   stop = install_stop_handler()
-  metrics, stopped, saver = {}, False, ckpt
+  metrics, stopped, saver, bar = {}, False, ckpt, None
   try:
     for phase in plan:
       if step >= phase.end:
@@ -175,6 +184,8 @@ def run(cfg, workdir, allow_data_change, started):
       if stopped:
         break
   finally:  # also on errors: let started checkpoint saves finish
+    if bar is not None:
+      bar.close()  # before any error message, which then stays the last line
     ckpt.close()
     if phase1:
       phase1.close()
@@ -228,13 +239,11 @@ def finished(workdir, step, path):
   return rows[-1] if rows else {}
 
 
-def adopt_source(cfg, workdir):
+def adopt_source(cfg):
   """train.init_from: check, before anything compiles, that the source has every parameter of
-  this model; and read its token ids (copy its tokenizer) unless data.tokenizer says otherwise."""
+  this model -> its tokenizer (the run keeps its token ids), unless data.tokenizer names another."""
   source_cfg, _ = load.check_init_from(cfg.train.init_from, cfg, nnx.to_pure_dict(steps.abstract_model(cfg)[1]))
-  target = os.path.join(workdir, TOKENIZER_FILENAME)
-  if not cfg.data.tokenizer and not os.path.exists(target):
-    shutil.copy(load.load_tokenizer(cfg.train.init_from, source_cfg).path, target)
+  return None if cfg.data.tokenizer else load.load_tokenizer(cfg.train.init_from, source_cfg)
 
 
 def check_trains_embeddings(trains, trainable):

@@ -17,6 +17,7 @@ Changes to a resumed run's config fall in three kinds:
 import os
 
 from latent_jax.config import ConfigError
+from latent_jax.train.checkpoint import Checkpoints, config_to_json
 from latent_jax.train.workdir import move_aside
 
 REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.enabled", "nitp.projector",
@@ -73,6 +74,21 @@ def check_config(saved, now, path, allow_data_change=False):
                       "mean other batches. Resume with the saved values, or pass --allow_data_change to resume on "
                       "this data anyway.")
   return [f"resuming with changed config: {f}: {a!r} -> {b!r}" for f, a, b in changes]
+
+
+def check_saved_config(workdir, cfg, allow_data_change=False, log=print):
+  """check_config against the newest checkpoint whose metadata reads (regular or TST phase-1 result),
+  read-only and before anything heavy; damage is left to restore_newest. Prints what changed."""
+  found = [(s, c) for c in (Checkpoints(workdir, subdir=sub, read_only=True) for sub in ("checkpoints", "phase1")
+                            if os.path.isdir(os.path.join(workdir, sub))) for s in c.all_steps()]
+  for step, saved in sorted(found, key=lambda x: x[0], reverse=True):
+    try:
+      saved_cfg = saved.restore_meta(step)["config"]
+    except Exception:  # pylint: disable=broad-except  # damaged: restore_newest reports and moves it
+      continue
+    for notice in check_config(saved_cfg, config_to_json(cfg), saved.path(step), allow_data_change):
+      log(notice)
+    return
 
 
 def restore_newest(candidates, restore, workdir, log=print):

@@ -10,6 +10,7 @@ training prints.
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 
@@ -86,3 +87,18 @@ def move_aside(path, workdir):
     target, k = f"{base}-{k}", k + 1
   os.rename(path, target)
   return target
+
+
+def workdir_created(workdir):
+  """Make the workdir; returns the topmost folder this made (None if it existed), for remove_if_empty."""
+  top, parent = None, os.path.abspath(workdir)
+  while not os.path.exists(parent):
+    top, parent = parent, os.path.dirname(parent)
+  os.makedirs(workdir, exist_ok=True)
+  return top
+
+
+def remove_if_empty(top):
+  """Remove the folders workdir_created made when a run failed before writing a file into them."""
+  if top and os.path.isdir(top) and not any(files for _, _, files in os.walk(top)):
+    shutil.rmtree(top)

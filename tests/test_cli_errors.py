@@ -1,0 +1,198 @@
+"""Bad input on every command line: exit code 2, one `error: ...` line on stderr that names the flag,
+setting or path, no traceback, and nothing written."""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY, TINY_OVERRIDES
+
+CLIS = ("latent_jax.train.__main__", "latent_jax.eval", "latent_jax.generate", "latent_jax.export",
+        "latent_jax.draft")
+
+
+def listing(path):
+  """Every path under `path` (or None when it does not exist): what a command must leave alone."""
+  if not os.path.exists(path):
+    return None
+  return sorted(os.path.join(root, name) for root, dirs, files in os.walk(path) for name in dirs + files)
+
+
+def check_one_error_line(code, err, names):
+  assert code == 2, err
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+  for name in names:
+    assert name in lines[0], (name, lines[0])
+
+
+def run_main(module, argv, capsys):
+  """main(argv) of a CLI in this process -> (exit code, stderr)."""
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_:
+    importlib.import_module(module).main(argv)
+  return exit_.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module,argv,names", [
+    ("latent_jax.train.__main__", ["--steps=5"], ["--steps", "--config", "--workdir"]),
+    ("latent_jax.train.__main__", ["--config", TINY], ["--workdir"]),
+    ("latent_jax.train.__main__", ["--config", TINY, "--workdir"], ["--workdir"]),
+    ("latent_jax.train.__main__", ["runs/x"], ["'runs/x'"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--batches=-1"], ["--batches=-1", ">= 0"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--step=abc"], ["--step=abc", "integer"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--config.model.d_model=8"], ["--config.model.d_model"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--temperature=-1"], ["--temperature=-1", ">= 0"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--top_p=0"], ["--top_p=0", "(0, 1]"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--top_p=1.5"], ["--top_p=1.5", "(0, 1]"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--top_k=-1"], ["--top_k=-1", ">= 0"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--max_new_tokens=0"], ["--max_new_tokens=0", ">= 1"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--num_samples=0"], ["--num_samples=0", ">= 1"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--step=-1"], ["--step=-1", ">= 0"]),
+    ("latent_jax.generate", ["--workdir", "{tmp}", "--drafter", "{tmp}"], ["--drafter", "--temperature=0"]),
+    ("latent_jax.export", ["--workdir", "{tmp}", "--out", "{tmp}/out", "--dtype=float16"], ["--dtype", "bfloat16"]),
+    ("latent_jax.export", ["--workdir", "{tmp}", "--out", "{tmp}"], ["--out", "exists"]),
+    ("latent_jax.draft", ["--workdir", "{tmp}/d"], ["--config"]),
+])
+def test_bad_flags(module, argv, names, tmp_path, capsys):
+  before = listing(tmp_path)
+  code, err = run_main(module, [a.format(tmp=tmp_path) for a in argv], capsys)
+  check_one_error_line(code, err, names)
+  assert listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("module", CLIS)
+def test_help(module, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    importlib.import_module(module).main(["--help"])
+  out = capsys.readouterr().out
+  assert exit_.value.code == 0
+  assert out.startswith(importlib.import_module(module).__doc__.strip()) and "--workdir" in out
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+  """Sources and files that are wrong in each way the tables below try."""
+  root = tmp_path_factory.mktemp("bad")
+  (root / "empty").mkdir()
+  (root / "empty.txt").write_text("")
+  (root / "latin1.txt").write_bytes("Caf\xe9 au lait.".encode("latin-1"))
+  (root / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)))
+  (root / "notext.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+  (root / "broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut sho\n')
+  (root / "small").mkdir()
+  for i in range(20):  # ~100 tokens: not one batch of 8 rows of 32
+    (root / "small" / f"doc{i}.txt").write_text(f"Kar lon mith {i}.")
+  (root / "garbage.model").write_bytes(b"not a SentencePiece model\x00\x01")
+  (root / "a_file").write_text("not a folder")
+  return root
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, corpus_dir):
+  """A 2-step tiny run: a source for train.init_from, a workdir to resume, load and export."""
+  from latent_jax import load_config
+  from latent_jax.train.loop import train
+  workdir = tmp_path_factory.mktemp("run")
+  train(load_config(TINY, TINY_OVERRIDES + [f"data.source={corpus_dir}", "train.steps=2", "optim.warmup_steps=1",
+                                            "train.eval_every=0"]), str(workdir))
+  return workdir
+
+
+def train_args(corpus, workdir, *overrides):
+  return ["--config", TINY, "--workdir", str(workdir), *[f"--config.{o}" for o in TINY_OVERRIDES],
+          f"--config.data.source={corpus}", *[f"--config.{o}" for o in overrides]]
+
+
+# (workdir, overrides, what the message names); {tmp}: a fresh folder, {bad}: the fixture above,
+# {corpus}: conftest's corpus_dir, {run}: the trained run. The source is {corpus} unless overridden.
+TRAIN_CASES = {
+    "no source": ("{tmp}/run", ["data.source="], ["data.source", "is empty"]),
+    "missing source": ("{tmp}/run", ["data.source={tmp}/nope"], ["data.source", "nope", "matches no file"]),
+    "empty folder": ("{tmp}/run", ["data.source={bad}/empty"], ["data.source", "no .txt or .jsonl"]),
+    "empty file": ("{tmp}/run", ["data.source={bad}/empty.txt"], ["data.source", "empty.txt", "empty"]),
+    "not UTF-8": ("{tmp}/run", ["data.source={bad}/latin1.txt"], ["data.source", "latin1.txt", "not UTF-8", "iconv"]),
+    "binary": ("{tmp}/run", ["data.source={bad}/image.png"], ["data.source", "image.png", "binary"]),
+    "jsonl without text": ("{tmp}/run", ["data.source={bad}/notext.jsonl"], ["notext.jsonl:2", '"text"']),
+    "broken jsonl line": ("{tmp}/run", ["data.source={bad}/broken.jsonl"], ["broken.jsonl:2", "not valid JSON"]),
+    "corpus too small": ("{tmp}/run", ["data.source={bad}/small"], ["data.batch_size=8", "data.source"]),
+    "workdir is a file": ("{bad}/a_file", [], ["--workdir", "a_file", "is a file"]),
+    "workdir under a file": ("{bad}/a_file/run", [], ["--workdir", "a_file", "is a file"]),
+    "missing tokenizer": ("{tmp}/run", ["data.tokenizer={tmp}/nope.model"], ["data.tokenizer", "nope.model"]),
+    "garbage tokenizer": ("{tmp}/run", ["data.tokenizer={bad}/garbage.model"],
+                          ["data.tokenizer", "garbage.model", "not a SentencePiece model"]),
+    "missing init_from": ("{tmp}/run", ["train.init_from={tmp}/nope"], ["train.init_from", "nope"]),
+    "init_from not a run": ("{tmp}/run", ["train.init_from={bad}"], ["train.init_from", "neither a training workdir"]),
+    "init_from of another shape": ("{tmp}/run", ["train.init_from={run}", "model.d_model=48"],
+                                   ["train.init_from", "(2, 32, 16) in", "(2, 48, 16) here"]),
+    "resume another shape": ("{run}", ["model.d_model=48"], ["another model", "model.d_model: saved 32, now 48"]),
+    "vocab far above the tokenizer": ("{tmp}/run", ["model.vocab_size=200000"],
+                                      ["model.vocab_size=200000", "624 pieces", "model.vocab_size=640"]),
+    "unknown config field": ("{tmp}/run", ["train.stepz=5"], ["train.stepz", "not a config field"]),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_train_refuses_bad_input_and_writes_nothing(case, tmp_path, bad, corpus_dir, run, capsys):
+  workdir, overrides, names = TRAIN_CASES[case]
+  fill = lambda s: s.format(tmp=tmp_path, bad=bad, run=run)
+  workdir = fill(workdir)
+  before = listing(workdir), listing(bad), listing(run)
+  code, err = run_main("latent_jax.train.__main__", train_args(corpus_dir, workdir, *map(fill, overrides)), capsys)
+  check_one_error_line(code, err, [fill(n) for n in names])
+  assert (listing(workdir), listing(bad), listing(run)) == before
+
+
+def test_read_only_workdir(tmp_path, corpus_dir, capsys, monkeypatch):
+  workdir = tmp_path / "ro"
+  workdir.mkdir(mode=0o555)
+  if os.geteuid() == 0:  # root writes anywhere: show it the folder as any other user sees it
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(workdir) else access(p, mode, **kw))
+  code, err = run_main("latent_jax.train.__main__", train_args(corpus_dir, workdir), capsys)
+  check_one_error_line(code, err, ["--workdir", str(workdir), "not writable"])
+  assert os.listdir(workdir) == []
+
+
+def test_non_finite_loss_is_one_line(monkeypatch, capsys):
+  from latent_jax.train import __main__ as cli_main
+  from latent_jax.train.loop import NonFiniteLoss
+
+  def diverge(cfg, workdir, allow_data_change):
+    raise NonFiniteLoss("non-finite loss at step 3: {'loss': nan}. Last good checkpoint: none. Lower optim.lr.")
+  monkeypatch.setattr(cli_main, "train", diverge)
+  code, err = run_main("latent_jax.train.__main__", ["--config", TINY, "--workdir", "unused"], capsys)
+  check_one_error_line(code, err, ["non-finite loss at step 3", "optim.lr"])
+
+
+@pytest.mark.parametrize("module,argv,names", [
+    ("latent_jax.eval", ["--workdir", "{tmp}/nope"], ["--workdir", "nope", "no checkpoints"]),
+    ("latent_jax.generate", ["--workdir", "{run}", "--step=99"], ["--workdir", "no checkpoint at step 99"]),
+    ("latent_jax.generate", ["--workdir", "{run}", "--top_k=1000"], ["--top_k=1000", "320"]),
+    ("latent_jax.export", ["--workdir", "{run}", "--out", "{bad}/a_file/export"], ["--out", "a_file", "is a file"]),
+    ("latent_jax.draft", ["--config", f"{ROOT}/configs/tiny_drafter.py", "--workdir", "{bad}/a_file",
+                          "--config.target={run}"], ["--workdir", "a_file", "is a file"]),
+    ("latent_jax.draft", ["--config", f"{ROOT}/configs/tiny_drafter.py", "--workdir", "{tmp}/d",
+                          "--config.target={tmp}/nope"], ["target", "nope", "neither a training workdir"]),
+])
+def test_loading_commands_refuse_bad_paths(module, argv, names, tmp_path, bad, run, capsys):
+  fill = lambda s: s.format(tmp=tmp_path, bad=bad, run=run)
+  before = listing(tmp_path), listing(bad), listing(run)
+  code, err = run_main(module, list(map(fill, argv)), capsys)
+  check_one_error_line(code, err, list(map(fill, names)))
+  assert (listing(tmp_path), listing(bad), listing(run)) == before
+
+
+@pytest.mark.parametrize("extra,names", [
+    (["--steps=5"], ["unknown flag --steps"]),  # refused, not ignored
+    (["--config.data.source={tmp}/nope"], ["data.source", "matches no file"]),
+    (["--config.data.source=kjv", "--config.model.vocab_size=200000"],  # not a 52M-param model of unused rows
+     ["model.vocab_size=200000", "34090 pieces", "model.vocab_size=34176"]),
+])
+def test_a_real_process_behaves_as_main(extra, names, tmp_path, corpus_dir):
+  out = subprocess.run([sys.executable, "-m", "latent_jax.train", *train_args(corpus_dir, tmp_path / "run"),
+                        *[e.format(tmp=tmp_path) for e in extra]], cwd=ROOT, capture_output=True, text=True)
+  check_one_error_line(out.returncode, out.stderr, names)
+  assert os.listdir(tmp_path) == []
