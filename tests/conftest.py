@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -7,6 +10,15 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+# One persistent compilation cache for the session, its xdist workers and the CLIs they start:
+# most tests compile the same few tiny programs, and the CPU's compile time is the suite's
+# largest cost. Set before jax is imported; the xdist workers inherit it from the controller.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="latent_jax_test_cache_")
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 # configs/tiny.py shrunk further so that a train step compiles and runs in seconds.
 TINY_OVERRIDES = [

@@ -101,7 +101,9 @@ def run(cfg, workdir, allow_data_change, started):
   found = resume.restore_newest(candidates, restore, workdir)
   step, saved, (state, train_iter) = found if found else (0, None, (None, None))
   if step >= plan[-1].end:
-    ckpt.close()
+    for manager in (ckpt, phase1):
+      if manager:
+        manager.close()
     return finished(workdir, step, saved.path(step))
   if step:
     print(f"resumed from {saved.path(step)}")
