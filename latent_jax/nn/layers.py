@@ -36,6 +36,8 @@ class Attention(nnx.Module):
 
   `attention_impl` (latent_jax.ops.attention.IMPLS) picks the kernel of the uncached path;
   `build_model` sets it from `kernels.attention`. Decoding with a cache uses the dense one.
+  `windows`: the static window sizes the traced `window` takes (set by the stacks; the splash
+  kernel needs them).
   """
 
   def __init__(self, cfg, rngs):
@@ -54,6 +56,7 @@ class Attention(nnx.Module):
     self.rope_base = cfg.rope_base
     self.dtype = jnp.dtype(cfg.dtype)
     self.attention_impl = "auto"
+    self.windows = (T.NO_WINDOW,)
 
   def __call__(self, x, positions, segment_ids, window, cache=None, cache_index=None):
     h, k, hd = self.shape
@@ -67,7 +70,7 @@ class Attention(nnx.Module):
       q, key = self.q_norm(q), self.k_norm(key)
     q, key = T.rope(q, positions, self.rope_base), T.rope(key, positions, self.rope_base)
     if cache is None:
-      out = A.attention(q, key, val, segment_ids, positions, window, self.attention_impl)
+      out = A.attention(q, key, val, segment_ids, positions, window, self.attention_impl, windows=self.windows)
     else:  # decoding one document: write slots cache_index.., each with the position of its key
       key = jax.lax.dynamic_update_slice(cache["k"], key.astype(cache["k"].dtype), (0, cache_index, 0, 0))
       val = jax.lax.dynamic_update_slice(cache["v"], val.astype(cache["v"].dtype), (0, cache_index, 0, 0))
@@ -131,6 +134,7 @@ class BlockStack(nnx.Module):
     self.blocks = stacked_blocks(cfg, num_layers, rngs)
     self.num_layers = num_layers
     self.windows = (num_layers, cfg.window, cfg.full_attention_every)
+    self.blocks.set_attributes(windows=T.window_sizes(*self.windows))
     self.remat = cfg.remat
 
   def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, tap=0):

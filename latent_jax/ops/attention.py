@@ -1,6 +1,6 @@
 """Causal, sliding-window, document-masked GQA self-attention, one function and a chooser `impl`.
 
-    attention(q, k, v, segment_ids, positions, window, impl="auto")
+    attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK, windows=(NO_WINDOW,))
     q [B, T, H, D], k/v [B, T, K, D], segment_ids/positions [B, T] int, window int (may be traced)
 
 A query sees a key iff both are in the same segment, the key's position is <= the query's and
@@ -10,8 +10,13 @@ closer than `window` (`transformer.attention_mask`). Implementations (IMPLS):
   xla_blocked  online softmax over key blocks (flash attention in plain JAX): memory
                O(T * block) forward and backward (custom VJP recomputing each block), key
                blocks wholly outside the causal window skipped. Any backend.
+  pallas_tpu   Pallas splash attention (TPU; interpreted elsewhere): causal local-window mask
+               and segment ids, one kernel per static window size in `windows`.
+  pallas_gpu   full-causal layers: jax's Pallas (Triton) flash attention with segment ids;
+               windowed layers: xla_blocked (that kernel has no window; docs/kernels.md).
   auto         xla_blocked when T spans more than one block, dense otherwise (at one block the
                blocked loop only adds overhead: 1.3x dense at T = 128 on CPU, docs/kernels.md).
+               On every backend: the Pallas kernels have not run on a TPU or GPU yet.
 
 KV-cache decoding (queries against a cache of other positions) uses the dense path directly.
 """
@@ -20,10 +25,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from latent_jax.ops import transformer as T
 
-IMPLS = ("auto", "dense", "xla_blocked")
+IMPLS = ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu")
 BLOCK = 128  # query and key block of xla_blocked: the fastest of 64..512 at T >= 2048 on CPU (docs/kernels.md)
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite -inf: exp underflows to 0, 0 * MASK is 0
 
@@ -167,6 +174,62 @@ def blocked_attention(q, k, v, segment_ids, positions, window, block=BLOCK):
   return out.reshape(b, t + pad, h, d)[:, :t]
 
 
+# ----------------------------------------------------------------------------- pallas_tpu
+# Splash attention's masks are static NumPy-level objects, while the window arrives traced
+# (one per scanned layer). A config has few window sizes (a window and NO_WINDOW), so one
+# kernel is built per size and lax.switch picks the one equal to the traced window. Its masks
+# are by sequence index (causal, `window - 1` keys back) and segment: equal to dense when
+# positions count tokens within a document, which holds for packed rows but not for TST's
+# "token" bag positions or ConceptLM's concept_positions="token" (use xla_blocked there).
+SPLASH_BLOCK = 128  # splash's default block sizes; T is padded to a multiple
+
+
+def splash_kernel(t, heads, window, interpret):
+  """A splash MHA/GQA kernel over [H, T, D] for one static window (NO_WINDOW = plain causal)."""
+  mask = splash.CausalMask((t, t)) if window >= t else splash.LocalMask((t, t), (window - 1, 0), 0)
+  return splash.make_splash_mha(splash.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1,
+                                block_sizes=splash.BlockSizes.get_default(), interpret=interpret)
+
+
+def splash_attention(q, k, v, segment_ids, window, windows, interpret):
+  """Splash attention for q [B,T,H,D], k/v [B,T,K,D]; `windows` holds every value `window` takes."""
+  b, t, h, d = q.shape
+  pad = -t % SPLASH_BLOCK
+  widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+  q, k, v = (jnp.moveaxis(jnp.pad(x, widths(x)), 2, 1) for x in (q * d ** -0.5, k, v))  # [B, heads, T, D]
+  seg = jnp.pad(segment_ids.astype(jnp.int32), widths(segment_ids), constant_values=-1)
+  ids = splash.SegmentIds(q=seg, kv=seg)
+  branches = [lambda w=w: jax.vmap(splash_kernel(t + pad, h, w, interpret))(q, k, v, segment_ids=ids)
+              for w in windows]
+  index = jnp.argmax(jnp.asarray(windows) == window)
+  return jnp.moveaxis(lax.switch(index, branches), 1, 2)[:, :t]
+
+
+# ----------------------------------------------------------------------------- pallas_gpu
+# jax.nn.dot_product_attention(implementation="cudnn") takes is_causal and a static
+# local_window_size but no segment ids (only per-row lengths), so it cannot mask packed
+# documents; jax's Pallas GPU kernel (ops/gpu/attention.py) masks causal + segments but has no
+# window. So full-causal layers run that kernel and windowed layers xla_blocked, picked by
+# lax.cond on the traced window. Its causal mask is by index: the same caveat as splash.
+def pallas_gpu_causal(q, k, v, segment_ids, interpret):
+  """jax's Pallas GPU flash attention, causal with segment ids; K/V heads repeated to H."""
+  b, t, h, d = q.shape
+  pad = -t % 128  # its forward block
+  widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+  k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+  q, k, v = (jnp.pad(x, widths(x)) for x in (q, k, v))
+  seg = jnp.pad(segment_ids.astype(jnp.int32), widths(segment_ids), constant_values=-1)
+  out = pallas_gpu.mha(q, k, v, seg, sm_scale=d ** -0.5, causal=True, interpret=interpret)
+  return out[:, :t]
+
+
+def gpu_attention(q, k, v, segment_ids, positions, window, block, interpret):
+  """pallas_gpu: the Pallas kernel for full-causal layers, xla_blocked for windowed ones."""
+  return lax.cond(window >= T.NO_WINDOW,
+                  lambda: pallas_gpu_causal(q, k, v, segment_ids, interpret),
+                  lambda: blocked_attention(q, k, v, segment_ids, positions, window, block))
+
+
 # ----------------------------------------------------------------------------------- public
 def resolve(impl, seq_len, block=BLOCK):
   """The implementation `impl` names; "auto" -> xla_blocked beyond one block, else dense."""
@@ -177,12 +240,19 @@ def resolve(impl, seq_len, block=BLOCK):
   return impl
 
 
-def attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK):
-  """Causal, windowed, document-masked GQA: q [B,T,H,D], k/v [B,T,K,D] -> [B,T,H,D]."""
+def attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK, windows=(T.NO_WINDOW,)):
+  """Causal, windowed, document-masked GQA: q [B,T,H,D], k/v [B,T,K,D] -> [B,T,H,D].
+
+  `windows` (pallas_tpu only): the static sizes the traced `window` can take.
+  """
   if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
     raise ValueError(f"attention: q must be [B,T,H,D] and k, v [B,T,K,D] with K dividing H, "
                      f"got q {q.shape}, k {k.shape}, v {v.shape}")
   impl = resolve(impl, q.shape[1], block)
   if impl == "dense":
     return dense_attention(q, k, v, segment_ids, positions, window)
+  if impl == "pallas_tpu":  # compiled on TPU; interpreting is the only way it runs elsewhere
+    return splash_attention(q, k, v, segment_ids, window, windows, jax.default_backend() != "tpu")
+  if impl == "pallas_gpu":
+    return gpu_attention(q, k, v, segment_ids, positions, window, block, jax.default_backend() != "gpu")
   return blocked_attention(q, k, v, segment_ids, positions, window, block)
