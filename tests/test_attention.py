@@ -115,28 +115,32 @@ def test_blocked_memory_far_below_dense():
   assert blocked < dense / 20, (blocked, dense)
 
 
-def model_loss_and_grads(config, impl, batch):
+def model_logits_and_grads(config, impl, batch, with_grads):
   cfg = load_config(f"{ROOT}/configs/{config}", TINY_OVERRIDES + [f"kernels.attention={impl}"])
   graphdef, state = nnx.split(build_model(cfg, nnx.Rngs(0)))
-  model = lambda p: nnx.merge(graphdef, p)
   kwargs = {"impl": "xla"} if cfg.model.name == "concept" else {}
 
   def loss(params):
-    out = model(params)(batch["inputs"], batch["segment_ids"], batch["positions"], **kwargs)
+    out = nnx.merge(graphdef, params)(batch["inputs"], batch["segment_ids"], batch["positions"], **kwargs)
     real = (batch["segment_ids"] > 0)[..., None]
     return jnp.sum(jnp.where(real, out.logits, 0) * 0.01), out.logits
-  (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(nnx.to_pure_dict(state))
+  params = nnx.to_pure_dict(state)
+  if not with_grads:
+    return jax.jit(loss)(params)[1], {}
+  (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
   return logits, grads
 
 
-@pytest.mark.parametrize("config", ["tiny.py", "tiny_ncp.py"])
-def test_models_agree_dense_vs_blocked(config):
+# ConceptLM forward only: its backward doubles the compile time (~70 s under load), and the
+# blocked gradients are checked op by op above and through the baseline here.
+@pytest.mark.parametrize("config,with_grads", [("tiny.py", True), ("tiny_ncp.py", False)])
+def test_models_agree_dense_vs_blocked(config, with_grads):
   """Whole models (TINY_OVERRIDES: window 8, every 2nd layer full) at T = 200, two blocks of
   A.BLOCK = 128 (the second padded), documents starting mid-block, a row ending in padding."""
   t = 200
   seg, pos = rows(t, [[0, 100, 150, 200], [0, 60, 170]])
   batch = {"inputs": rng.integers(0, 320, size=(2, t)).astype(np.int32), "segment_ids": seg, "positions": pos}
-  dense, blocked = (model_loss_and_grads(config, impl, batch) for impl in ("dense", "xla_blocked"))
+  dense, blocked = (model_logits_and_grads(config, impl, batch, with_grads) for impl in ("dense", "xla_blocked"))
   real = seg > 0
   np.testing.assert_allclose(np.asarray(blocked[0])[real], np.asarray(dense[0])[real], rtol=1e-4, atol=1e-5)
   for a, b in zip(jax.tree.leaves(dense[1]), jax.tree.leaves(blocked[1])):  # fp32 sums in another order
