@@ -13,6 +13,7 @@ from flax import nnx
 
 from latent_jax import cli
 from latent_jax.data import build_data, make_val_batches
+from latent_jax.data.pipeline import val_batch_count
 from latent_jax.infer import load
 from latent_jax.train import sharding
 from latent_jax.train import step as steps
@@ -23,9 +24,10 @@ def evaluate_dir(directory, step=None, max_batches=None):
   cfg, step = load.load_config(directory, step)
   graphdef, params = load.load_params(directory, cfg, step)
   data = build_data(cfg, directory)
-  split = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, 0, jax.process_index(), jax.process_count())
   max_batches = cfg.train.eval_batches if max_batches is None else max_batches
-  batches = split[:max_batches] if max_batches else split
+  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
+                             jax.process_index(), jax.process_count())
+  split_batches = val_batch_count(len(data.val_tokens), cfg.data.seq_len, cfg.data.batch_size)
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1  # evaluation runs data-parallel only
   mesh = sharding.make_mesh(cfg.mesh)
   _, abstract = steps.abstract_model(cfg.model)
@@ -33,7 +35,7 @@ def evaluate_dir(directory, step=None, max_batches=None):
   eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh)
   result = steps.evaluate(eval_step, params, batches, steps.scored_bytes(batches, data.tokenizer.token_bytes), mesh)
   tokens = sum(int((b["targets"] >= 0).sum()) for b in batches)
-  return {"step": step, **result, "batches": len(batches), "split_batches": len(split), "tokens": tokens}
+  return {"step": step, **result, "batches": len(batches), "split_batches": split_batches, "tokens": tokens}
 
 
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,

@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY, TINY_OVERRIDES
-from latent_jax import load_config
 from latent_jax.infer import load
-from latent_jax.train.loop import NonFiniteLoss, train
 
 
 def cli(module, *args):

@@ -154,6 +154,12 @@ def make_train_iterator(data: Data, seq_len: int, batch_size: int, seed: int,
 # ----------------------------------------------------------------------------- val
 
 
+def val_batch_count(n_tokens: int, seq_len: int, batch_size: int) -> int:
+  """Batches that cover a validation stream of `n_tokens` once (the last one padded)."""
+  rows = -(-(n_tokens - 1) // seq_len)  # windows of seq_len + 1 tokens, stride seq_len
+  return -(-rows // batch_size)
+
+
 def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int = 0,
                      process_index: int = 0, process_count: int = 1):
   """The validation stream once, in order: a list of batches (this host's rows).
@@ -164,8 +170,7 @@ def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int
   _check_shape(seq_len, batch_size, process_count)
   stream, pad = data.val_tokens, data.tokenizer.pad_id
   n = len(stream)
-  rows = -(-(n - 1) // seq_len)
-  n_batches = -(-rows // batch_size)
+  n_batches = val_batch_count(n, seq_len, batch_size)
   if max_batches > 0:
     n_batches = min(n_batches, max_batches)
   padded = np.full(n_batches * batch_size * seq_len + 1, pad, np.int32)

@@ -3,7 +3,6 @@
 A plain run has one phase; a TST run two (train/phases.py, docs/tst.md).
 """
 import math
-import os
 import signal
 import time
 
@@ -86,7 +85,6 @@ def run(cfg, workdir, allow_data_change, started):
 
   def restore(step, saved):
     """The state at `step` (and, mid-phase, the data position)."""
-    saved.restore_meta(step)
     differences = saved.layout_differences(step, abstract_state)
     if differences:  # readable, but of another layout: a config change (optim.clip_norm 0 <-> > 0, ...)
       raise ConfigError(f"{saved.path(step)} holds a state of another layout than this config builds "
