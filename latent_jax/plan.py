@@ -2,9 +2,11 @@
 
 Lowers and compiles the config's real train step ahead of time for TOPO, on abstract state
 (no weights are allocated), and prints per device: parameters, optimiser state, batch,
-temporaries, the compiler's peak, the device's memory and whether the peak fits, the step's
-FLOPs (XLA's count and the model's) and the compile time. A TST config plans each phase. The
-last line is one JSON object; the exit code is 0 when every phase fits, 1 when one does not.
+temporaries, the peak (arguments, outputs not written over the donated state, temporaries and
+code), the device's memory and whether the peak fits, the step's FLOPs and the compile time.
+XLA:TPU refuses to compile a step whose temporaries exceed the chip; plan then reports the
+temporaries its message gives. A TST config plans each phase. The last line is one JSON
+object; the exit code is 0 when every phase fits, 1 when one does not.
 
 TOPO is one of
   local          this process's devices (the default)
@@ -32,9 +34,9 @@ from latent_jax.train.optim import build_optimizer
 
 GIB = 2**30
 
-# Cloud TPU generations: (memory per chip in GiB that XLA:TPU lets a program use, which its
-# out-of-memory errors print: a little under the HBM; TensorCores per chip that the slice name
-# counts; dims of the chip grid). A JAX device is one chip (v4 and v5p: two cores as one megacore).
+# Cloud TPU generations: (memory per chip in GiB that XLA:TPU lets a program use, a little under
+# the HBM, as libtpu 0.0.42's out-of-memory errors print it; TensorCores per chip that the slice
+# name counts; dims of the chip grid). A JAX device is one chip (v4, v5p: two cores as one megacore).
 TPUS = {"v4": (30.75, 2, 3), "v5p": (95.74, 2, 3), "v5e": (15.75, 1, 2), "v6e": (31.25, 1, 2)}
 
 
@@ -201,8 +203,8 @@ def report(r, hbm):
   fits = "fits" if r["peak_bytes"] <= hbm else f"does NOT fit ({r['peak_bytes'] / hbm:.2f}x the memory)"
   if r["compiled"]:
     xla = (f"  {'':<18}(XLA's own peak_memory_in_bytes: {r['xla_peak_bytes'] / GIB:.3f} GiB)",
-           f"  {'FLOPs per step':<18}{r['flops']:10.3e} (XLA's count; the model's: {r['model_flops']:.3e}, "
-           f"ratio {r['flops'] / r['model_flops']:.2f})")
+           f"  {'FLOPs per step':<18}{r['model_flops']:10.3e} (the model's count, train/flops.py; XLA's count of "
+           f"the program, {r['flops']:.3e}, takes a loop's body once: one of the scanned layers)")
   else:
     xla = (f"  {'':<18}(the compiler refused the program for its temporaries, the one figure it gives)",
            f"  {'FLOPs per step':<18}{r['model_flops']:10.3e} (the model's count; XLA's needs a compiled program)")
