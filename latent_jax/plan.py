@@ -67,8 +67,9 @@ def tpu_topology(topology):
   chips = count // cores_per_chip
   smallest = 4 if dims == 3 else 1
   if count % cores_per_chip or chips < smallest or chips & (chips - 1):
-    raise ValueError(f"--topology {topology}: {generation} names count {'TensorCores, two per chip' if cores_per_chip == 2 else 'chips'}"
-                     f" and the name rule covers powers of two from {generation}-{smallest * cores_per_chip}; "
+    unit = "TensorCores, two per chip" if cores_per_chip == 2 else "chips"
+    raise ValueError(f"--topology {topology}: {generation} names count {unit} and the name rule covers "
+                     f"powers of two from {generation}-{smallest * cores_per_chip}; "
                      f"give the chip grid instead, e.g. {generation}:{'x'.join(map(str, chip_grid(64, dims)))}.")
   return generation, "x".join(map(str, chip_grid(chips, dims)))
 
@@ -216,9 +217,10 @@ def report(r, hbm):
 
 
 FLAGS = [cli.CONFIG,
-         cli.Flag("topology", str, "local", "local, cpu:N, a Cloud TPU name (v5p-128, v5e-256, v4-64) or chip grid (v5p:4x4x4)"),
-         cli.Flag("hbm_gib", float, None, "memory per device in GiB to fit in; default: the device's, the TPU data "
-                  "sheet's, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")]
+         cli.Flag("topology", str, "local",
+                  "local, cpu:N, a Cloud TPU name (v5p-128, v5e-256, v4-64) or chip grid (v5p:4x4x4)"),
+         cli.Flag("hbm_gib", float, None, "memory per device in GiB to fit in; default: the device's, XLA:TPU's "
+                  "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")]
 
 
 def main(argv=None):
