@@ -125,11 +125,6 @@ def has_checkpoints(workdir):
              for name in (os.listdir(os.path.join(workdir, sub)) if os.path.isdir(os.path.join(workdir, sub)) else ()))
 
 
-def abstract_like(tree, shardings):
-  """ShapeDtypeStructs carrying the target shardings, for restoring onto a mesh."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def config_to_json(cfg):
   return json.loads(cfg.to_json_best_effort())
 

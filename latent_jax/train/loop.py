@@ -14,7 +14,7 @@ from flax import nnx
 
 from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
-from latent_jax.data import FEATURES, build_data, make_train_iterator, make_val_batches, save_tokenizer
+from latent_jax.data import build_data, make_train_iterator, make_val_batches, save_tokenizer
 from latent_jax.infer import load
 from latent_jax.train import checkpoint, flops, phases, resume, sharding
 from latent_jax.train import step as steps
@@ -73,8 +73,7 @@ def run(cfg, workdir, allow_data_change, started):
     check_trains_embeddings(trains, cfg.optim.get("trainable", "all"))
   tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
-  abstract_state = checkpoint.abstract_like(
-      jax.eval_shape(lambda: steps.init_state(cfg, cfg.train.seed, tx, shardings)), shardings)
+  abstract_state = steps.abstract_state(cfg, tx, shardings)
   save_tokenizer(data, workdir)  # the first write: bad input stops the run above, leaving nothing
 
   # Resume from the newest readable checkpoint in the workdir: a regular one, or in a TST run the
@@ -130,10 +129,8 @@ def run(cfg, workdir, allow_data_change, started):
         state = enter_phase(phase, cfg, tx, shardings, abstract_state, phase1)
       # Compiled before the progress bar starts, so that its rate and ETA count steps only.
       compile_start = time.perf_counter()
-      batch_shape = jax.ShapeDtypeStruct((cfg.data.batch_size, phase.seq_len), np.int32,
-                                         sharding=sharding.batch_sharding(mesh))
       train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(
-          abstract_state, {k: batch_shape for k in FEATURES}).compile()
+          abstract_state, steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)).compile()
       print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s")
       bar = tqdm.tqdm(total=phase.end, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
       last_time, last_step = time.perf_counter(), step

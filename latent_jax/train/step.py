@@ -7,10 +7,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from latent_jax import objectives
+from latent_jax.data import FEATURES
 from latent_jax.nn import build_model
 from latent_jax.train import sharding
 from latent_jax.train.optim import trainable_mask
@@ -61,6 +63,18 @@ def init_state(cfg, seed, tx, shardings):
     params = nnx.to_pure_dict(nnx.state(build_model(cfg, nnx.Rngs(seed))))
     return {"params": params, "opt_state": tx.init(params), "step": jnp.zeros((), jnp.int32)}
   return jax.jit(init, out_shardings=shardings)()
+
+
+def abstract_state(cfg, tx, shardings):
+  """The train state as ShapeDtypeStructs on `shardings`: to restore into and to compile for, allocating nothing."""
+  shapes = jax.eval_shape(lambda: init_state(cfg, cfg.train.seed, tx, shardings))
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def batch_shapes(batch_size, seq_len, mesh):
+  """A train batch as ShapeDtypeStructs: every feature [batch_size, seq_len] int32, split over the batch axes."""
+  row = jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=sharding.batch_sharding(mesh))
+  return {k: row for k in FEATURES}
 
 
 def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_objective):

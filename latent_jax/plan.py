@@ -1,0 +1,235 @@
+"""python -m latent_jax.plan --config CONFIG --topology TOPO [--hbm_gib=G] [--config.a.b=v ...]
+
+Lowers and compiles the config's real train step ahead of time for TOPO, on abstract state
+(no weights are allocated), and prints per device: parameters, optimiser state, batch,
+temporaries, the peak (arguments, outputs not written over the donated state, temporaries and
+code), the device's memory and whether the peak fits, the step's FLOPs and the compile time.
+XLA:TPU refuses to compile a step whose temporaries exceed the chip; plan then reports the
+temporaries its message gives. A TST config plans each phase. The last line is one JSON
+object; the exit code is 0 when every phase fits, 1 when one does not.
+
+TOPO is one of
+  local          this process's devices (the default)
+  cpu:N          N CPU devices of this host, which share its RAM (HBM: host RAM / N)
+  v5p-128        a Cloud TPU slice by name, compiled through libtpu on any machine; v4 and v5p
+                 names count TensorCores (two per chip), v5e and v6e names count chips
+  v5p:4x4x4      a TPU slice by its chip grid (for slices whose chip count is no power of two)
+TPU topologies need libtpu: pip install -e ".[tpu]", in an environment of its own (with
+libtpu present, jax probes for TPUs at start-up).
+"""
+import importlib.util
+import json
+import math
+import os
+import re
+import time
+
+import jax
+
+from latent_jax import cli
+from latent_jax.config import load_config, validate
+from latent_jax.train import phases, sharding
+from latent_jax.train import step as steps
+from latent_jax.train.optim import build_optimizer
+
+GIB = 2**30
+
+# Cloud TPU generations: (memory per chip in GiB that XLA:TPU lets a program use, a little under
+# the HBM, as libtpu 0.0.42's out-of-memory errors print it; TensorCores per chip that the slice
+# name counts; dims of the chip grid). A JAX device is one chip (v4, v5p: two cores as one megacore).
+TPUS = {"v4": (30.75, 2, 3), "v5p": (95.74, 2, 3), "v5e": (15.75, 1, 2), "v6e": (31.25, 1, 2)}
+
+
+def chip_grid(chips, dims):
+  """The chip grid of a Cloud TPU slice of `chips` chips (a power of two): from one host's 2x2x1
+  (3-D) or 1x1 (2-D), double the smallest dim, the last one among equals. v5p-128 -> 4x4x4."""
+  grid = [2, 2, 1] if dims == 3 else [1, 1]
+  while math.prod(grid) < chips:
+    smallest = min(grid)
+    grid[max(i for i, g in enumerate(grid) if g == smallest)] *= 2
+  return grid
+
+
+def tpu_topology(topology):
+  """A Cloud TPU name (v5p-128) or chip grid (v5p:4x4x4) -> (generation, grid string)."""
+  named = re.fullmatch(r"(v\w+)-(\d+)", topology)
+  gridded = re.fullmatch(r"(v\w+):(\d+(?:x\d+)+)", topology)
+  generation = (named or gridded).group(1)
+  if generation not in TPUS:
+    raise ValueError(f"--topology {topology}: unknown TPU generation {generation!r}; use one of {', '.join(TPUS)}.")
+  _, cores_per_chip, dims = TPUS[generation]
+  if gridded:
+    if len(gridded.group(2).split("x")) != dims:
+      raise ValueError(f"--topology {topology}: {generation} slices are {dims}-D chip grids, e.g. "
+                       f"{generation}:{'x'.join(map(str, chip_grid(64, dims)))}.")
+    return generation, gridded.group(2)
+  count = int(named.group(2))
+  chips = count // cores_per_chip
+  smallest = 4 if dims == 3 else 1
+  if count % cores_per_chip or chips < smallest or chips & (chips - 1):
+    unit = "TensorCores, two per chip" if cores_per_chip == 2 else "chips"
+    raise ValueError(f"--topology {topology}: {generation} names count {unit} and the name rule covers "
+                     f"powers of two from {generation}-{smallest * cores_per_chip}; "
+                     f"give the chip grid instead, e.g. {generation}:{'x'.join(map(str, chip_grid(64, dims)))}.")
+  return generation, "x".join(map(str, chip_grid(chips, dims)))
+
+
+def topology_devices(topology):
+  """TOPO -> (devices, how they are named, HBM per device in bytes or None, where that figure comes from)."""
+  if topology == "local":
+    devices = jax.devices()
+    return devices, f"local {devices[0].platform}", *device_memory(devices)
+  cpus = re.fullmatch(r"cpu:(\d+)", topology)
+  if cpus:
+    n = int(cpus.group(1))
+    if n < 1:
+      raise ValueError(f"--topology {topology}: needs at least one device, e.g. cpu:4.")
+    try:
+      jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:  # jax already started in this process: take the CPU devices it has
+      pass
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+      raise ValueError(f"--topology {topology}: jax already started here with {len(devices)} CPU devices; "
+                       "plan in a fresh process.")
+    return devices[:n], topology, host_memory() / n, "host RAM / N"
+  if not re.fullmatch(r"v\w+(-\d+|:\d+(x\d+)+)", topology):
+    raise ValueError(f"--topology {topology}: unknown topology; use local, cpu:N, a Cloud TPU name such as "
+                     "v5p-128 or v5e-256, or a chip grid such as v5p:4x4x4.")
+  generation, grid = tpu_topology(topology)
+  if importlib.util.find_spec("libtpu") is None:
+    raise ValueError(f"--topology {topology} compiles through libtpu, which is not installed; "
+                     'pip install -e ".[tpu]" (in an environment of its own: see --help).')
+  from jax.experimental import topologies
+  options = {"chip_config_name": "megacore"} if TPUS[generation][1] == 2 else {}
+  try:
+    devices = topologies.get_topology_desc(topology_name=f"{generation}:{grid}", platform="tpu", **options).devices
+  except jax.errors.JaxRuntimeError as e:
+    raise ValueError(f"--topology {topology}: libtpu refuses the slice {generation}:{grid} ({e}); "
+                     "give another chip grid.") from None
+  return devices, f"{topology} ({generation}:{grid})", TPUS[generation][0] * GIB, "XLA:TPU's limit"
+
+
+def device_memory(devices):
+  """(bytes, source) of the memory one local device may use: the device's own, or a CPU's share of host RAM."""
+  if devices[0].platform == "cpu":
+    return host_memory() / len(devices), "host RAM / N"
+  stats = devices[0].memory_stats() or {}
+  return stats.get("bytes_limit"), "the device"
+
+
+def host_memory():
+  return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def bytes_per_device(tree):
+  """Bytes one device holds of a tree of sharded ShapeDtypeStructs (evenly split: every shard alike)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+# XLA:TPU refuses a program whose temporaries exceed the chip's memory; its message then is the
+# only measure of them (XLA prints bytes in binary units: G = GiB).
+REFUSED = re.compile(r"memory required for HLO temporaries \(([\d.]+)G\) exceeds available HBM")
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+
+
+def peak_bytes(memory):
+  """What a device holds while the step runs: its arguments, the outputs not written over donated
+  arguments, the temporaries (one block, which XLA packs by live range) and the program.
+  (XLA:CPU's own peak_memory_in_bytes leaves the temporaries out.)"""
+  return memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"]
+
+
+def plan(cfg, topology="local", hbm_gib=None):
+  """Compile the train step of every phase for `topology`; returns the figures the JSON line prints."""
+  validate(cfg)
+  devices, name, hbm, hbm_source = topology_devices(topology)
+  if hbm_gib is not None:
+    hbm, hbm_source = hbm_gib * GIB, "--hbm_gib"
+  if hbm is None:
+    raise ValueError(f"--topology {topology}: {devices[0].device_kind} does not report its memory; "
+                     "state it with --hbm_gib.")
+  mesh = sharding.make_mesh(cfg.mesh, devices)
+  sharding.check_batch(cfg.data.batch_size, mesh)
+  runs = phases.plan(cfg)
+  print(f"{len(devices)} x {devices[0].device_kind} ({name}), mesh "
+        + " ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f", {hbm / GIB:.2f} GiB per device ({hbm_source})")
+  if devices[0].platform != jax.default_backend() and cfg.kernels.impl == "auto":
+    print(f"kernels.impl=auto picks by this host's backend ({jax.default_backend()}), not {devices[0].platform}'s")
+
+  # As in the train loop: the state's shardings and layout are the same in every phase.
+  graphdef, abstract_params = steps.abstract_model(cfg)
+  axes = steps.axes_tree(abstract_params)
+  tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes)
+  shardings = steps.state_shardings(abstract_params, tx, mesh)
+  state = steps.abstract_state(cfg, tx, shardings)
+  results = []
+  for phase in runs:
+    print(phase.describe(cfg.data.batch_size))
+    tx, _ = build_optimizer(cfg.optim, phase.schedule_steps, axes)
+    batch = steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)
+    result = {"phase": phase.number, "seq_len": phase.seq_len, "params_bytes": bytes_per_device(state["params"]),
+              "opt_state_bytes": bytes_per_device(state["opt_state"]), "batch_bytes": bytes_per_device(batch)}
+    start = time.perf_counter()
+    lowered = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(state, batch)
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      refused = REFUSED.search(str(e))
+      if not refused:
+        raise
+      compiled = None
+    result["compile_s"] = round(time.perf_counter() - start, 1)
+    if compiled:
+      analysis = compiled.memory_analysis()
+      memory = {k: getattr(analysis, f"{k}_size_in_bytes") for k in MEMORY_FIELDS}
+      result.update(compiled=True, temp_bytes=memory["temp"], peak_bytes=peak_bytes(memory),
+                    xla_peak_bytes=analysis.peak_memory_in_bytes, flops=compiled.cost_analysis()["flops"])
+    else:  # the outputs overwrite the donated state: the peak is what the step is given plus its temporaries
+      temp = round(float(refused.group(1)) * GIB)
+      result.update(compiled=False, temp_bytes=temp, peak_bytes=temp + result["params_bytes"]
+                    + result["opt_state_bytes"] + result["batch_bytes"], xla_peak_bytes=None, flops=None)
+    result["model_flops"] = phase.flops_per_step / len(devices)
+    results.append(result)
+    print(report(result, hbm))
+  peak = max(r["peak_bytes"] for r in results)
+  return {"topology": topology, "devices": len(devices), "device_kind": devices[0].device_kind,
+          "mesh": dict(mesh.shape), "peak_gib": peak / GIB, "hbm_gib": hbm / GIB, "hbm_source": hbm_source,
+          "fits": peak <= hbm, "phases": results}
+
+
+def report(r, hbm):
+  """One phase's figures per device, as a small table."""
+  gib = lambda key, what: f"  {what:<18}{r[key] / GIB:10.3f} GiB"
+  fits = "fits" if r["peak_bytes"] <= hbm else f"does NOT fit ({r['peak_bytes'] / hbm:.2f}x the memory)"
+  if r["compiled"]:
+    xla = (f"  {'':<18}(XLA's own peak_memory_in_bytes: {r['xla_peak_bytes'] / GIB:.3f} GiB)",
+           f"  {'FLOPs per step':<18}{r['model_flops']:10.3e} (the model's count, train/flops.py; XLA's count of "
+           f"the program, {r['flops']:.3e}, takes a loop's body once: one of the scanned layers)")
+  else:
+    xla = (f"  {'':<18}(the compiler refused the program for its temporaries, the one figure it gives)",
+           f"  {'FLOPs per step':<18}{r['model_flops']:10.3e} (the model's count; XLA's needs a compiled program)")
+  return "\n".join([
+      "per device:", gib("params_bytes", "parameters"), gib("opt_state_bytes", "optimiser state"),
+      gib("batch_bytes", "batch"), gib("temp_bytes", "temporaries"),
+      gib("peak_bytes", "peak") + f" of {hbm / GIB:.2f} GiB: {fits}", *xla,
+      f"  {'compile':<18}{r['compile_s']:10.1f} s"])
+
+
+FLAGS = [cli.CONFIG,
+         cli.Flag("topology", str, "local",
+                  "local, cpu:N, a Cloud TPU name (v5p-128, v5e-256, v4-64) or chip grid (v5p:4x4x4)"),
+         cli.Flag("hbm_gib", float, None, "memory per device in GiB to fit in; default: the device's, XLA:TPU's "
+                  "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    result = plan(load_config(args.config, args.overrides), args.topology, args.hbm_gib)
+  print(json.dumps(result))
+  raise SystemExit(0 if result["fits"] else 1)
+
+
+if __name__ == "__main__":
+  main()
