@@ -18,7 +18,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax import cli
+from latent_jax import cli, distributed
 from latent_jax.config import ConfigError, load_config
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
 from latent_jax.data.pipeline import num_windows
@@ -115,6 +115,9 @@ def evaluate_drafter(target, drafter, cfg, data, seq_len):
 
 def run(cfg, workdir, log=print):
   """Train and measure a drafter for cfg.target; results in WORKDIR/drafter.json -> that dict."""
+  if jax.process_count() > 1:
+    raise ValueError("latent_jax.draft trains a small drafter in one process; run it on one host, without "
+                     "--num_processes (the target may come from a run on any number of hosts).")
   out = os.path.join(workdir, "drafter.json")
   for path in (out, os.path.join(workdir, "params")):
     if os.path.exists(path):
@@ -173,12 +176,14 @@ def load_drafter(workdir, target_cfg):
   return nnx.merge(graphdef, abstract), cfg
 
 
-FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the drafter's folder (drafter.json, params/)")]
+FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the drafter's folder (drafter.json, params/)")
+         ] + distributed.FLAGS
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    distributed.initialize(args)
     result = run(load_config(args.config, args.overrides), args.workdir)
     print(json.dumps({k: result[k] for k in ("val_loss", "slot_accuracy", "mal", "prompts", "rounds")}))
 

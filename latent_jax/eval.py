@@ -11,7 +11,7 @@ import json
 import jax
 from flax import nnx
 
-from latent_jax import cli
+from latent_jax import cli, distributed
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.data.pipeline import val_batch_count
 from latent_jax.infer import load
@@ -22,16 +22,17 @@ from latent_jax.train import step as steps
 def evaluate_dir(directory, step=None, max_batches=None):
   """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all."""
   cfg, step = load.load_config(directory, step)
-  graphdef, params = load.load_params(directory, cfg, step)
   data = build_data(cfg, directory)
   max_batches = cfg.train.eval_batches if max_batches is None else max_batches
   batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
                              jax.process_index(), jax.process_count())
   split_batches = val_batch_count(len(data.val_tokens), cfg.data.seq_len, cfg.data.batch_size)
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1  # evaluation runs data-parallel only
+  # Evaluation runs data-parallel on the devices here, whatever mesh trained the checkpoint.
+  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1
   mesh = sharding.make_mesh(cfg.mesh)
   _, abstract = steps.abstract_model(cfg.model)
   param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+  graphdef, params = load.load_params(directory, cfg, step, load.by_path(param_shardings))
   eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh)
   result = steps.evaluate(eval_step, params, batches, steps.scored_bytes(batches, data.tokenizer.token_bytes), mesh)
   tokens = sum(int((b["targets"] >= 0).sum()) for b in batches)
@@ -40,12 +41,13 @@ def evaluate_dir(directory, step=None, max_batches=None):
 
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,
          cli.Flag("batches", int, None, "validation batches to score; 0 = the whole split; default: the run's "
-                  "train.eval_batches, as its training scored", lambda n: n >= 0, ">= 0")]
+                  "train.eval_batches, as its training scored", lambda n: n >= 0, ">= 0")] + distributed.FLAGS
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    distributed.initialize(args)
     print(json.dumps(evaluate_dir(args.workdir, args.step, args.batches)))
 
 

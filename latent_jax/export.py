@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from latent_jax import cli
+from latent_jax import cli, distributed
 from latent_jax.config import DTYPES
 from latent_jax.infer import load
 from latent_jax.train import checkpoint
@@ -25,31 +25,39 @@ def export(workdir, out, step=None, dtype=None):
   if os.path.exists(out):
     raise FileExistsError(f"--out {out!r} exists; choose a new folder (export never overwrites).")
   cli.writable_dir(out, "--out")
+  distributed.barrier("export: --out checked")  # before process 0 creates it
   cfg, step = load.load_config(workdir, step)
   _, params = load.load_params(workdir, cfg, step)  # the inference model's params only
   cfg = load.inference_config(cfg)
   dtype = dtype or cfg.model.dtype
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
   cfg.model.param_dtype = dtype
-  os.makedirs(out)
-  ckptr = ocp.StandardCheckpointer()
+  tokenizer = load.load_tokenizer(workdir, cfg)
+  distributed.on_primary(lambda: os.makedirs(out), OSError)
+  ckptr = ocp.StandardCheckpointer()  # every process saves its shards; Orbax writes each array once
   ckptr.save(os.path.abspath(os.path.join(out, "params")), params)
   ckptr.wait_until_finished()
+  distributed.on_primary(lambda: write_beside(out, cfg, tokenizer), OSError)
+  return out
+
+
+def write_beside(out, cfg, tokenizer):
+  """config.json and tokenizer.model next to the params (process 0 only)."""
   with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(checkpoint.config_to_json(cfg), f, indent=2)
-  shutil.copy(load.load_tokenizer(workdir, cfg).path, os.path.join(out, "tokenizer.model"))
-  return out
+  shutil.copy(tokenizer.path, os.path.join(out, "tokenizer.model"))
 
 
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir"),
          cli.Flag("out", str, cli.REQUIRED, "the export folder, which must not exist yet"), cli.STEP,
          cli.Flag("dtype", str, None, "the parameters' dtype; the model's compute dtype when not given",
-                  lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")]
+                  lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")] + distributed.FLAGS
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    distributed.initialize(args)
     print(f"exported to {export(args.workdir, args.out, args.step, args.dtype)}")
 
 

@@ -7,7 +7,7 @@
 import jax
 import jax.numpy as jnp
 
-from latent_jax import cli
+from latent_jax import cli, distributed
 from latent_jax.draft import load_drafter
 from latent_jax.infer import generate, load_model
 from latent_jax.infer.speculative import speculative_generate
@@ -25,12 +25,13 @@ FLAGS = [
     cli.Flag("seed", int, 0, "the sampling seed"),
     cli.Flag("num_samples", int, 1, "samples to draw", lambda n: n >= 1, ">= 1"),
     cli.Flag("drafter", str, None, "a drafter's workdir (python -m latent_jax.draft): speculative decoding"),
-]
+] + distributed.FLAGS
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    distributed.initialize(args)
     if args.drafter and args.temperature != 0:
       raise ValueError(f"--drafter decodes greedily (exact-match verification); add --temperature=0, "
                        f"not {args.temperature}.")

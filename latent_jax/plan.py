@@ -26,7 +26,7 @@ import time
 
 import jax
 
-from latent_jax import cli
+from latent_jax import cli, distributed
 from latent_jax.config import load_config, validate
 from latent_jax.train import phases, sharding
 from latent_jax.train import step as steps
@@ -220,12 +220,14 @@ FLAGS = [cli.CONFIG,
          cli.Flag("topology", str, "local",
                   "local, cpu:N, a Cloud TPU name (v5p-128, v5e-256, v4-64) or chip grid (v5p:4x4x4)"),
          cli.Flag("hbm_gib", float, None, "memory per device in GiB to fit in; default: the device's, XLA:TPU's "
-                  "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")]
+                  "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")
+         ] + distributed.FLAGS  # for --topology=local on several hosts
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    distributed.initialize(args)
     result = plan(load_config(args.config, args.overrides), args.topology, args.hbm_gib)
   print(json.dumps(result))
   raise SystemExit(0 if result["fits"] else 1)

@@ -331,7 +331,7 @@ def saved_state(workdir, subdir, step):
                           jax.eval_shape(lambda: steps.init_state(cfg.model, 0, tx, None)))
   ckpts = checkpoint.Checkpoints(str(workdir), subdir=subdir, read_only=True)
   try:
-    state, meta = ckpts.restore(step, abstract, None)
+    state, meta = ckpts.restore(step, abstract)
   finally:
     ckpts.close()
   return jax.device_get(state), meta

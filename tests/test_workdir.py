@@ -71,7 +71,6 @@ DAMAGE = {
     "deleted params": lambda c: shutil.rmtree(os.path.join(c, "params")),
     "truncated opt_state": lambda c: truncate_largest(os.path.join(c, "opt_state")),
     "deleted opt_state": lambda c: shutil.rmtree(os.path.join(c, "opt_state")),
-    "deleted data iterator": lambda c: os.remove(os.path.join(c, "data", "process_0-of-1.json")),
     "garbage metadata": lambda c: open(os.path.join(c, "meta", "metadata"), "wb").write(b"\x00garbage{"),
     "emptied folder": empty_folder,
     "torn metrics line": tear_metrics_and_drop_last,

@@ -17,16 +17,13 @@ Training: `make_train_iterator` builds
 
   MapDataset.range(windows).shuffle(seed).repeat()   # reshuffled every epoch
       [process_index::process_count]                 # per-host shard, before batching
-      .map(window).batch(batch_size // process_count).map(pack_rows).to_iter_dataset()
+      .map(window).batch(batch_size // process_count)[start:]
+      .map(pack_rows).to_iter_dataset()
 
-and returns its iterator, whose `get_state()` / `set_state()` is a small JSON dict.
-Checkpoint it with Orbax through Grain's handler, e.g. inside a CheckpointManager:
-
-  ocp.args.Composite(..., data=grain.checkpoint.CheckpointSave(iterator))     # save
-  ocp.args.Composite(..., data=grain.checkpoint.CheckpointRestore(iterator))  # restore
-
-(`CheckpointRestore` sets the state of the iterator passed in, in place; each process
-writes `process_<i>-of-<n>.json`.)
+The rows of the hosts' batch k, together, are rows k*batch_size .. (k+1)*batch_size - 1 of the
+shuffled stream whatever the number of hosts, so the data position is one number, the batches
+read so far: a checkpoint needs no iterator state, and a run resumes on any number of hosts
+(`start` = the steps taken in the current phase).
 
 Validation: `make_val_batches` covers the validation stream once, in order; padding
 has targets -1, so every real token after the first is scored exactly once.
@@ -123,8 +120,8 @@ def _shuffle_seed(seed: int) -> int:
 
 
 def make_train_iterator(data: Data, seq_len: int, batch_size: int, seed: int,
-                        process_index: int = 0, process_count: int = 1):
-  """An endless, seeded, checkpointable iterator of this host's training batches.
+                        process_index: int = 0, process_count: int = 1, start: int = 0):
+  """An endless, seeded iterator of this host's training batches, from batch `start` on.
 
   Yields {"inputs", "targets", "segment_ids", "positions"}: int32
   [batch_size // process_count, seq_len]. The hosts' batches at one step, stacked in
@@ -143,7 +140,7 @@ def make_train_iterator(data: Data, seq_len: int, batch_size: int, seed: int,
   ds = grain.MapDataset.range(num_windows(len(stream), seq_len))
   ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat()
   ds = ds[process_index::process_count]
-  ds = ds.map(window).batch(batch_size // process_count, drop_remainder=True)
+  ds = ds.map(window).batch(batch_size // process_count, drop_remainder=True)[start:]
   ds = ds.map(lambda w: pack_rows(w, eos_id))
   # A couple of threads are plenty (a batch takes microseconds) and leave the CPU cores
   # to the training step.

@@ -21,6 +21,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from latent_jax import distributed
+
 TOKENIZER_FILENAME = "tokenizer.model"
 _MAX_SENTENCE_BYTES = 8192
 _INPUT_SENTENCES = 300_000  # SentencePiece samples this many sentences; the KJV has ~90k
@@ -158,7 +160,9 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
   elif source is not None:
     tok, origin = Tokenizer(path, source.proto), f"train.init_from's {source.path}"
   else:
-    tok = Tokenizer(path, train_tokenizer(train_docs, vocab_size))
+    # Trained once, by process 0, and sent to the others: every host must see the same ids.
+    tok = Tokenizer(path, distributed.broadcast_bytes(train_tokenizer(train_docs, vocab_size) if distributed.is_primary()
+                                                      else b""))
     origin = "the tokenizer trained on data.source (whose text holds no more BPE merges)"
   if tok.vocab_size > vocab_size:
     raise ValueError(

@@ -10,6 +10,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from latent_jax.data.tokenizer import Tokenizer
 from latent_jax.train import checkpoint
@@ -44,11 +45,13 @@ def load_config(directory, step=None):
 
 def saved_params(directory, cfg, step=None, shardings=None):
   """Every parameter the checkpoint (or export) holds, training-only heads included; placed by
-  `shardings` ({"a/b/c": sharding}) where given."""
+  `shardings` ({"a/b/c": sharding}) where given, else replicated on every device here: whatever
+  mesh and number of processes saved them."""
   _, saved = steps.abstract_model(cfg)
   shardings = shardings or {}
+  everywhere = NamedSharding(Mesh(jax.devices(), ("devices",)), P())
   target = jax.tree_util.tree_map_with_path(
-      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(path_name(p))),
+      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(path_name(p), everywhere)),
       nnx.to_pure_dict(saved))
   if is_export(directory):
     return ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")), target)
@@ -56,9 +59,10 @@ def saved_params(directory, cfg, step=None, shardings=None):
   return manager.restore_params(step, target)
 
 
-def load_params(directory, cfg, step=None):
-  """(graphdef, params) of the inference model: training-only heads (NITP, MTP) are dropped."""
-  params = saved_params(directory, cfg, step)
+def load_params(directory, cfg, step=None, shardings=None):
+  """(graphdef, params) of the inference model: training-only heads (NITP, MTP) are dropped;
+  `shardings` as saved_params takes them."""
+  params = saved_params(directory, cfg, step, shardings)
   graphdef, abstract = steps.abstract_model(cfg.model)
   return graphdef, keep_like(params, nnx.to_pure_dict(abstract))
 

@@ -2,18 +2,19 @@
 
 Trains a new run in DIR, or resumes the one there from its latest checkpoint (README: "What can
 go wrong" says what a resume checks, and what --allow_data_change lets through)."""
-from latent_jax import cli
+from latent_jax import cli, distributed
 from latent_jax.config import load_config
 from latent_jax.train.loop import NonFiniteLoss, train
 from latent_jax.train.workdir import WorkdirBusy
 
 FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the run's folder: created, or resumed from"),
-         cli.Flag("allow_data_change", bool, False, "resume although data.* or train.seed differ from the checkpoint's")]
+         cli.Flag("allow_data_change", bool, False, "resume although data.* or train.seed differ from the checkpoint's")] + distributed.FLAGS
 
 
 def main(argv=None):
   with cli.errors(NonFiniteLoss, WorkdirBusy):
     args = cli.parse(__doc__, FLAGS, argv)
+    distributed.initialize(args)
     train(load_config(args.config, args.overrides), args.workdir, args.allow_data_change)
 
 

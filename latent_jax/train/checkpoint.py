@@ -1,18 +1,22 @@
-"""Orbax checkpoints of a run: params, optimiser state, data iterator state and metadata.
+"""Orbax checkpoints of a run: params, optimiser state and metadata.
 
-Layout: WORKDIR/checkpoints/STEP/{params, opt_state, data, meta}; TST runs also keep their
+Layout: WORKDIR/checkpoints/STEP/{params, opt_state, meta}; TST runs also keep their
 phase-1 result in WORKDIR/phase1/STEP/..., which max_to_keep never removes. `params` is its
 own item so evaluation, generation and export restore it without the optimiser. Saves are async;
 an interrupted save leaves only a temporary folder that the next training ignores and removes.
 Readers (eval, generate, export) open the folders read-only: they list committed steps only and
 never touch a training's in-flight temporary folders.
+
+No data iterator state is saved: the data position is the step (data/pipeline.py), so a run
+resumes on any number of hosts. (Checkpoints from before kept a `data` item; it is ignored.)
+Arrays are restored into the shardings of the target given, whatever mesh and process count
+saved them.
 """
 import contextlib
 import json
 import logging
 import os
 
-import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
@@ -46,20 +50,16 @@ class Checkpoints:
   def path(self, step):
     return os.path.join(self.directory, str(step))
 
-  def save(self, step, state, data_iterator, meta):
-    """Save the train state {"params", "opt_state", "step"}, the data iterator and a JSON dict."""
+  def save(self, step, state, meta):
+    """Save the train state {"params", "opt_state", "step"} and a JSON dict (written by process 0)."""
     args = dict(params=ocp.args.StandardSave(state["params"]), opt_state=ocp.args.StandardSave(state["opt_state"]),
                 meta=ocp.args.JsonSave({**meta, "step": int(step)}))
-    if data_iterator is not None:
-      args["data"] = grain.checkpoint.CheckpointSave(data_iterator)
     self.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
-  def restore(self, step, abstract_state, data_iterator):
-    """Restore into arrays shaped and sharded like `abstract_state`; the iterator in place."""
+  def restore(self, step, abstract_state):
+    """Restore into arrays shaped and sharded like `abstract_state`."""
     args = dict(params=ocp.args.StandardRestore(abstract_state["params"]),
                 opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]), meta=ocp.args.JsonRestore())
-    if data_iterator is not None:
-      args["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
     out = self.manager.restore(step, args=ocp.args.Composite(**args))
     step_array = jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), abstract_state["step"].sharding)
     return {"params": out["params"], "opt_state": out["opt_state"], "step": step_array}, out["meta"]

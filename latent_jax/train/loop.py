@@ -3,7 +3,6 @@
 A plain run has one phase; a TST run two (train/phases.py, docs/tst.md).
 """
 import math
-import signal
 import time
 
 import jax
@@ -12,6 +11,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
+from latent_jax import distributed
 from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
 from latent_jax.data import build_data, make_train_iterator, make_val_batches, save_tokenizer
@@ -20,7 +20,7 @@ from latent_jax.train import checkpoint, flops, phases, resume, sharding
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter, read_metrics
 from latent_jax.train.optim import build_optimizer, trainable_mask
-from latent_jax.train.workdir import WorkdirLock, remove_if_empty, workdir_created
+from latent_jax.train.workdir import WorkdirBusy, WorkdirLock, remove_if_empty, workdir_created
 
 
 class NonFiniteLoss(RuntimeError):
@@ -31,26 +31,34 @@ def train(cfg, workdir, allow_data_change=False):
   """Train (or resume) the run in `workdir`. Returns the last logged metrics.
 
   One training per workdir: a second one exits at once, naming the live holder (train/workdir.py).
+  With several processes (latent_jax/distributed.py) process 0 holds the lock for all of them.
   allow_data_change: resume although data.* or train.seed differ from the checkpoint's config.
   """
   started = time.perf_counter()
   validate(cfg)
   writable_dir(workdir, "--workdir")
-  created = workdir_created(workdir)
-  lock = WorkdirLock(workdir)  # held before anything in the workdir is read
+  created, lock = distributed.on_primary(lambda: hold_workdir(workdir), WorkdirBusy, OSError) or (None, None)
   try:
     return run(cfg, workdir, allow_data_change, started)
   finally:
-    lock.release()
-    remove_if_empty(created)  # bad input stopped a new run before it wrote anything
+    if lock:
+      lock.release()
+      remove_if_empty(created)  # bad input stopped a new run before it wrote anything
+
+
+def hold_workdir(workdir):
+  """(the folder this made or None, the held lock)."""
+  created = workdir_created(workdir)
+  return created, WorkdirLock(workdir)
 
 
 def run(cfg, workdir, allow_data_change, started):
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh)
+  print(distributed.describe(mesh))  # on every host: its own log names it
   source = None
   if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from
-    resume.check_saved_config(workdir, cfg, allow_data_change)
+    resume.check_saved_config(workdir, cfg, allow_data_change, log=say)
   elif cfg.train.get("init_from"):
     source = adopt_source(cfg)
 
@@ -62,8 +70,9 @@ def run(cfg, workdir, allow_data_change, started):
   val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches,
                                  jax.process_index(), jax.process_count())
   val_bytes = steps.scored_bytes(val_batches, data.tokenizer.token_bytes)
-  open_iterator = lambda phase: make_train_iterator(data, phase.seq_len, cfg.data.batch_size, phase.data_seed,
-                                                    jax.process_index(), jax.process_count())
+  # The data position is the phase's step count: no iterator state to save, any host count resumes.
+  open_iterator = lambda phase, step: make_train_iterator(data, phase.seq_len, cfg.data.batch_size, phase.data_seed,
+                                                          jax.process_index(), jax.process_count(), step - phase.start)
 
   # Model and state shardings (every phase's optimiser state has the same structure).
   graphdef, abstract_params = steps.abstract_model(cfg)  # with the training-only heads (NITP, MTP)
@@ -74,7 +83,8 @@ def run(cfg, workdir, allow_data_change, started):
   tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   abstract_state = steps.abstract_state(cfg, tx, shardings)
-  save_tokenizer(data, workdir)  # the first write: bad input stops the run above, leaving nothing
+  # The first write (process 0's): bad input stops the run above, leaving nothing.
+  distributed.on_primary(lambda: save_tokenizer(data, workdir), OSError)
 
   # Resume from the newest readable checkpoint in the workdir: a regular one, or in a TST run the
   # phase-1 result (WORKDIR/phase1, kept apart from max_to_keep), from which phase 2 starts.
@@ -83,19 +93,18 @@ def run(cfg, workdir, allow_data_change, started):
   meta = {"config": checkpoint.config_to_json(cfg)}
 
   def restore(step, saved):
-    """The state at `step` (and, mid-phase, the data position)."""
+    """The state at `step` (and, mid-phase, the data iterator from there on)."""
     differences = saved.layout_differences(step, abstract_state)
     if differences:  # readable, but of another layout: a config change (optim.clip_norm 0 <-> > 0, ...)
       raise ConfigError(f"{saved.path(step)} holds a state of another layout than this config builds "
                         f"({len(differences)} entries differ: {'; '.join(differences[:3])}); resume with the config "
                         "it was saved with, or start a new --workdir with train.init_from=" + workdir + ".")
     if saved is phase1:  # phase 2 starts here, from this state, with a fresh iterator
-      return phase1.restore(step, abstract_state, None)[0], None
-    train_iter = open_iterator(phases.phase_at(plan, step))
-    return ckpt.restore(step, abstract_state, train_iter)[0], train_iter
+      return phase1.restore(step, abstract_state)[0], None
+    return ckpt.restore(step, abstract_state)[0], open_iterator(phases.phase_at(plan, step), step)
 
   candidates = [(s, ckpt) for s in ckpt.all_steps()] + [(s, phase1) for s in (phase1.all_steps() if phase1 else ())]
-  found = resume.restore_newest(candidates, restore, workdir)
+  found = resume.restore_newest(candidates, restore, workdir, log=say)
   step, saved, (state, train_iter) = found if found else (0, None, (None, None))
   if step >= plan[-1].end:
     for manager in (ckpt, phase1):
@@ -103,35 +112,35 @@ def run(cfg, workdir, allow_data_change, started):
         manager.close()
     return finished(workdir, step, saved.path(step))
   if step:
-    print(f"resumed from {saved.path(step)}")
+    say(f"resumed from {saved.path(step)}")
 
   eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh)
   is_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])))
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
-  peak *= jax.device_count()
+  peak = float(distributed.from_primary(peak)) * jax.device_count()  # one figure: the hosts' own may differ
   writer = MetricsWriter(workdir, step)
   flags = jax.tree.leaves(trains)
   trainable = "" if all(flags) else f" ({sum(int(np.prod(x.shape)) for x, t in zip(jax.tree.leaves(abstract_params), flags) if t) / 1e6:.3f}M trainable)"
-  print(f"{param_count(abstract_params) / 1e6:.2f}M params{trainable}, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
+  say(f"{param_count(abstract_params) / 1e6:.2f}M params{trainable}, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
         f"train {data.train_tokens.size:,} tokens, val {data.val_tokens.size:,} tokens, "
         f"unigram entropy {data.unigram_entropy:.3f} nats/token")
 
-  stop = install_stop_handler()
+  stop = distributed.StopRequests()
   metrics, stopped, saver, bar = {}, False, ckpt, None
   try:
     for phase in plan:
       if step >= phase.end:
         continue
-      print(phase.describe(cfg.data.batch_size))
+      say(phase.describe(cfg.data.batch_size))
       tx, schedule = build_optimizer(cfg.optim, phase.schedule_steps, axes)
       if step == phase.start:  # a fresh run, or TST's switch
-        train_iter = open_iterator(phase)
+        train_iter = open_iterator(phase, step)
         state = enter_phase(phase, cfg, tx, shardings, abstract_state, phase1)
       # Compiled before the progress bar starts, so that its rate and ETA count steps only.
       compile_start = time.perf_counter()
       train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(
           abstract_state, steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)).compile()
-      print(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+      say(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s")
       bar = tqdm.tqdm(total=phase.end, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
       last_time, last_step = time.perf_counter(), step
       while step < phase.end:
@@ -139,7 +148,7 @@ def run(cfg, workdir, allow_data_change, started):
         state, step_metrics = train_step(state, batch)
         step += 1
         is_last = step == phase.end
-        stopping = stop.requested  # read once: a signal may land at any point of this iteration
+        stopping = stop.after(step)  # read once: a signal may land at any point of this iteration
         eval_now = cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or is_last)
         log_now = step % cfg.train.log_every == 0 or is_last or eval_now
         save_now = step % cfg.train.checkpoint_every == 0 or is_last or stopping
@@ -173,7 +182,7 @@ def run(cfg, workdir, allow_data_change, started):
           tags = {} if phase.number is None else {"phase": phase.number}
           if switch:
             tags["phase1_final"] = True
-          saver.save(step, state, train_iter, {**meta, **tags})
+          saver.save(step, state, {**meta, **tags})
         if stopping:
           stopped = True
           break
@@ -187,7 +196,7 @@ def run(cfg, workdir, allow_data_change, started):
     if phase1:
       phase1.close()
     writer.close()
-  print(summary("stopped" if stopped else "done", step, cfg.train.steps, metrics, phase.tokens_at(step),
+  say(summary("stopped" if stopped else "done", step, cfg.train.steps, metrics, phase.tokens_at(step),
                 time.perf_counter() - started, saver.path(step)))
   return metrics
 
@@ -198,12 +207,12 @@ def enter_phase(phase, cfg, tx, shardings, abstract_state, phase1):
     state = steps.init_state(cfg, cfg.train.seed, tx, shardings)
     if cfg.train.get("init_from"):
       state["params"] = load.initial_params(cfg.train.init_from, cfg, state["params"])
-      print(f"params from {cfg.train.init_from}")
+      say(f"params from {cfg.train.init_from}")
     return state
   # The TST switch: phase 2 starts from the phase-1 result on disk (exactly as a resumed run
   # does), with a fresh data iterator; carry="params" also starts a fresh optimiser state.
-  state, _ = phase1.restore(phase.start, abstract_state, None)
-  print(f"phase {phase.number} starts from {phase1.path(phase.start)}")
+  state, _ = phase1.restore(phase.start, abstract_state)
+  say(f"phase {phase.number} starts from {phase1.path(phase.start)}")
   if phase.fresh_optimizer:
     state["opt_state"] = jax.jit(tx.init, out_shardings=shardings["opt_state"])(state["params"])
   if phase.reinit_embeddings:
@@ -231,7 +240,7 @@ def finished(workdir, step, path):
   rows = [r for r in read_metrics(workdir) if r["step"] <= step]
   with_val = [r for r in rows if "val_loss" in r]
   val = (f", val loss {with_val[-1]['val_loss']:.4f} nats/token at step {with_val[-1]['step']}" if with_val else "")
-  print(f"{workdir} is complete: step {step}{val}; checkpoint {path}. Raise train.steps to train further, "
+  say(f"{workdir} is complete: step {step}{val}; checkpoint {path}. Raise train.steps to train further, "
         "or use a new --workdir.")
   return rows[-1] if rows else {}
 
@@ -255,15 +264,7 @@ def param_count(abstract_params):
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_params))
 
 
-class install_stop_handler:
-  """SIGTERM or Ctrl-C asks the loop to save a checkpoint and exit after the current step."""
-
-  def __init__(self):
-    self.requested = False
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(sig, self.request)
-
-  def request(self, signum, frame):
-    if self.requested:  # a second Ctrl-C: give up at once
-      raise KeyboardInterrupt
-    self.requested = True
+def say(*args):
+  """Print on process 0 only: the other hosts would repeat it."""
+  if distributed.is_primary():
+    print(*args)

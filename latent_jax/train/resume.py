@@ -16,6 +16,7 @@ Changes to a resumed run's config fall in three kinds:
 """
 import os
 
+from latent_jax import distributed
 from latent_jax.config import ConfigError
 from latent_jax.train.checkpoint import Checkpoints, config_to_json
 from latent_jax.train.workdir import move_aside
@@ -105,7 +106,7 @@ def restore_newest(candidates, restore, workdir, log=print):
       raise
     except Exception as e:  # pylint: disable=broad-except  # any failure to read is damage
       reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-      moved = move_aside(checkpoints.path(step), workdir)
+      moved = distributed.on_primary(lambda: move_aside(checkpoints.path(step), workdir))
       checkpoints.reload()
       log(f"warning: checkpoint {checkpoints.path(step)} is unreadable ({reason}); moved it to {moved} and "
           "trying the one before it")
