@@ -115,7 +115,7 @@ def test_finished_run_says_complete(corpus_dir, finished_run):
 
 def test_second_training_on_a_live_workdir_exits_naming_the_holder(tmp_path, corpus_dir):
   run = tmp_path / "run"
-  first = subprocess.Popen(train_cmd(run, corpus_dir, "--config.train.steps=400", "--config.train.checkpoint_every=1000"),
+  first = subprocess.Popen(train_cmd(run, corpus_dir, "--config.train.steps=100000", "--config.train.checkpoint_every=1000"),
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     wait_for_step(str(run), first, 1)
