@@ -11,6 +11,7 @@ from latent_jax.config import mtp_enabled, nitp_enabled
 from latent_jax.ops import auxiliary as A
 from latent_jax.ops import concepts as C
 from latent_jax.ops import superposition as sup
+from latent_jax.train import sharding
 
 
 def token_cross_entropy(hidden, head_weight, targets, impl):
@@ -19,8 +20,8 @@ def token_cross_entropy(hidden, head_weight, targets, impl):
   hidden [B, T, d], head_weight [d, V], targets [B, T] (negative = ignored) -> ([B, T], [B, T]).
   """
   b, t, d = hidden.shape
-  loss, lse = pallas_kernels.fused_cross_entropy(
-      hidden.reshape(b * t, d), head_weight, targets.reshape(b * t, 1), impl=impl, return_lse=True)
+  ce = lambda rows, w: pallas_kernels.fused_cross_entropy(rows[0], w, rows[1], impl=impl, return_lse=True)
+  loss, lse = sharding.per_batch_shard(ce, (hidden.reshape(b * t, d), targets.reshape(b * t, 1)), head_weight)
   return loss.reshape(b, t), lse.reshape(b, t)
 
 

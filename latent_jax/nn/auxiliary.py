@@ -8,8 +8,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.config import mtp_enabled, nitp_enabled, nitp_layer
-from latent_jax.nn.layers import Block, RMSNorm, param
+from latent_jax.nn.layers import TOKENS, Block, RMSNorm, param
 from latent_jax.ops import transformer as T
+from latent_jax.train.sharding import constrain
 
 
 class NITPProjector(nnx.Module):
@@ -45,6 +46,7 @@ class MTPBlock(nnx.Module):
   def __call__(self, h, next_embeddings, positions, segment_ids):
     """h [B, T, d] the main model's last state at t, next_embeddings [B, T, d] Emb(x_{t+1}) -> [B, T, d]."""
     x = jnp.concatenate([self.h_norm(h), self.e_norm(next_embeddings)], -1) @ self.proj[...].astype(self.dtype)
+    x = constrain(x, TOKENS)
     x, _ = self.block(x, positions, segment_ids, T.NO_WINDOW)
     return self.norm(x)
 

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax.nn.layers import BlockStack, RMSNorm, param
+from latent_jax.nn.layers import TOKENS, BlockStack, RMSNorm, param
+from latent_jax.train.sharding import constrain
 
 
 @jax.tree_util.register_dataclass
@@ -42,7 +43,8 @@ class BaselineLM(nnx.Module):
 
   def embed_tokens(self, tokens):
     """tokens [B, T] int32 -> input embeddings [B, T, d] in the compute dtype."""
-    return self.embed[...].astype(self.dtype)[tokens]
+    table = constrain(self.embed[...].astype(self.dtype), ("vocab", "act_embed"))  # gathered whole over fsdp, as FSDP does
+    return constrain(table[tokens], TOKENS)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, cache=None, cache_index=None,
                embeddings=None):

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.nn.baseline import ModelOutput, default_positions
-from latent_jax.nn.layers import RMSNorm, kv_cache, param, stacked_blocks
+from latent_jax.nn.layers import TOKENS, RMSNorm, kv_cache, param, stacked_blocks
 from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
+from latent_jax.train.sharding import constrain, per_batch_shard
 
 CODEBOOK_INIT_STD = 0.02  # released code: codebook [S, N, d/S] ~ N(0, 0.02)
 
@@ -68,7 +69,7 @@ class ResidualStack(nnx.Module):
     """
     graphdef, state = nnx.split(self.blocks)
     w = lambda p: p[...].astype(self.dtype)
-    normed = [route.norm(s.astype(self.dtype)) for route, s in zip(self.routes, sources)]  # LN(S_j), once
+    normed = [constrain(route.norm(s.astype(self.dtype)), TOKENS) for route, s in zip(self.routes, sources)]  # LN(S_j), once
     layers = {"block": state, "window": T.layer_windows(*self.windows), "l": jnp.arange(self.num_layers),
               "crc": [(w(r.w1), w(r.w2), w(r.scale)) for r in self.routes], "cache": cache}
     if self.irc:
@@ -79,20 +80,21 @@ class ResidualStack(nnx.Module):
       normed, positions, segment_ids = consts
       for s, p in zip(normed, layer["crc"]):  # routes apply in turn: encoder, then concept
         x = C.cross_module_residual(x, s, *p)
-      out, layer_cache = nnx.merge(graphdef, layer["block"])(x, positions, segment_ids, layer["window"],
-                                                              layer["cache"], cache_index)
+      out, layer_cache = nnx.merge(graphdef, layer["block"])(constrain(x, TOKENS), positions, segment_ids,
+                                                              layer["window"], layer["cache"], cache_index)
+      out = constrain(out, TOKENS)
       if not self.irc:
         return (out, history), (out, layer_cache)
       latest = layer["l"] + 1
-      history = jax.lax.dynamic_update_index_in_dim(history, out, latest, 0)
+      history = constrain(jax.lax.dynamic_update_index_in_dim(history, out, latest, 0), TOKENS)
       x = C.intra_module_residual(history, out - x, *layer["irc"], latest, self.irc_softmax)
-      return (x, history), (out, layer_cache)
+      return (constrain(x, TOKENS), history), (out, layer_cache)
 
     if self.remat:
       body = jax.checkpoint(body, prevent_cse=False)
     consts, history = (normed, positions, segment_ids), None
     if self.irc:  # slot 0 of the history is the module input H_1, slot l+1 the output of layer l
-      history = jnp.zeros((self.num_layers + 1, *x.shape), x.dtype).at[0].set(x)
+      history = constrain(jnp.zeros((self.num_layers + 1, *x.shape), x.dtype).at[0].set(x), TOKENS)
     if self.irc and self.remat and cache is None:  # recompute rather than store: O(L) states, not O(L^2)
       x, outs = history_scan(body, x, history, layers, consts)
       return x, outs, None
@@ -205,7 +207,8 @@ class ConceptLM(nnx.Module):
 
   def embed_tokens(self, tokens):
     """tokens [B, T] int32 -> input embeddings [B, T, d] in the compute dtype."""
-    return self.embed[...].astype(self.dtype)[tokens]
+    table = constrain(self.embed[...].astype(self.dtype), ("vocab", "act_embed"))  # gathered whole over fsdp, as FSDP does
+    return constrain(table[tokens], TOKENS)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, impl="auto", cache=None,
                cache_index=None):
@@ -231,7 +234,7 @@ class ConceptLM(nnx.Module):
     token_pos = positions if cfg.document_mask else default_positions(tokens)
 
     h, enc_states, _ = self.encoder(self.embed_tokens(tokens), positions, segment_ids)
-    c = C.pool_concepts(h, k, docs)                                        # [B, M, d]
+    c = constrain(C.pool_concepts(h, k, docs), TOKENS)                     # [B, M, d]
     if cfg.concept_norm:
       c = self.concept_norm(c)
     code_logits, predicted, con_states, _ = self.predict(
@@ -254,8 +257,10 @@ class ConceptLM(nnx.Module):
     predictions p [B, M, d], the module's layer states [C, B, M, d], its updated cache)."""
     u, states, cache = self.concept(c, positions, segment_ids, sources, cache, cache_index)
     code_logits = self.head_norm(u) @ self.heads[...].astype(self.dtype)
-    code_logits = code_logits.reshape(*u.shape[:2], self.cfg.num_segments, self.cfg.codebook_size)
-    predicted = C.mix_codebook(code_logits, self.codebook[...], self.cfg.mixing, impl).astype(self.dtype)
+    code_logits = constrain(code_logits.reshape(*u.shape[:2], self.cfg.num_segments, self.cfg.codebook_size),
+                            ("batch", "length", "segments", "codes"))
+    mix = lambda logits, codebook: C.mix_codebook(logits, codebook, self.cfg.mixing, impl)  # a kernel: per shard
+    predicted = constrain(per_batch_shard(mix, code_logits, self.codebook[...]).astype(self.dtype), TOKENS)
     return code_logits, predicted, states, cache
 
   def fusion(self):

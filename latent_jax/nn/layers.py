@@ -9,8 +9,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.ops import transformer as T
+from latent_jax.train.sharding import constrain
 
 EMPTY_SLOT = 2**30  # the position of a cache slot not written yet
+TOKENS = ("batch", "length", "act_embed")  # logical axes of a [B, T, d] activation
 
 
 def param(rngs, shape, axes, std, dtype):
@@ -56,7 +58,8 @@ class Attention(nnx.Module):
     q, key, val = x @ w(self.q), x @ w(self.k), x @ w(self.v)
     if self.qk_norm == "layer":
       q, key = self.q_norm(q), self.k_norm(key)
-    q, key, val = q.reshape(b, t, h, hd), key.reshape(b, t, k, hd), val.reshape(b, t, k, hd)
+    q = constrain(q.reshape(b, t, h, hd), ("batch", "length", "heads", "head_dim"))
+    key, val = (constrain(a.reshape(b, t, k, hd), ("batch", "length", "kv_heads", "head_dim")) for a in (key, val))
     if self.qk_norm == "head":
       q, key = self.q_norm(q), self.k_norm(key)
     q, key = T.rope(q, positions, self.rope_base), T.rope(key, positions, self.rope_base)
@@ -69,7 +72,8 @@ class Attention(nnx.Module):
       cache = {"k": key, "v": val, "pos": pos}
       mask = T.attention_mask(positions, pos, segment_ids, jnp.zeros_like(pos) + segment_ids[:, :1], window)
     out = T.attention(q, key.astype(self.dtype), val.astype(self.dtype), mask)
-    return out.reshape(b, t, h * hd) @ w(self.o), cache
+    out = constrain(out.reshape(b, t, h * hd), ("batch", "length", "heads"))
+    return out @ w(self.o), cache
 
 
 class MLP(nnx.Module):
@@ -133,8 +137,9 @@ class BlockStack(nnx.Module):
 
     def body(x, layer):
       params, window, layer_cache = layer
-      x, layer_cache = nnx.merge(graphdef, params)(x, positions, segment_ids, window, layer_cache, cache_index)
-      return x, layer_cache
+      x, layer_cache = nnx.merge(graphdef, params)(constrain(x, TOKENS), positions, segment_ids, window,
+                                                   layer_cache, cache_index)
+      return constrain(x, TOKENS), layer_cache
 
     if self.remat:
       body = jax.checkpoint(body, prevent_cse=False)

@@ -12,6 +12,7 @@ EOS input's target is the next document's first token).
 import jax.numpy as jnp
 
 import pallas_kernels
+from latent_jax.train.sharding import per_batch_shard
 
 POSITION_MODES = ("bag", "token")
 
@@ -90,7 +91,7 @@ def multihot_cross_entropy(hidden, head_weight, labels, impl="auto", return_lse=
   """
   b, length, d = hidden.shape
   s = labels.shape[-1]
-  loss, lse = pallas_kernels.fused_cross_entropy(
-      hidden.reshape(b * length, d), head_weight, labels.reshape(b * length, s), impl=impl, return_lse=True)
+  ce = lambda rows, w: pallas_kernels.fused_cross_entropy(rows[0], w, rows[1], impl=impl, return_lse=True)
+  loss, lse = per_batch_shard(ce, (hidden.reshape(b * length, d), labels.reshape(b * length, s)), head_weight)
   loss, lse = loss.reshape(b, length), lse.reshape(b, length)
   return (loss, lse) if return_lse else loss

@@ -1,4 +1,8 @@
-"""The device mesh (data, fsdp, tensor) and one rules table from logical axis names to it."""
+"""The device mesh (data, fsdp, tensor) and one rules table from logical axis names to it.
+
+Parameters name their axes in `nnx.Param` metadata; activations name theirs where the model
+calls `constrain`, which pins them to the mesh of the step being traced (`use_mesh`).
+"""
 import math
 
 import jax
@@ -11,7 +15,8 @@ from latent_jax.config import ConfigError
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Logical axis -> mesh axes. The batch spreads over data and fsdp; fsdp also splits the
-# model dimension of every matrix, tensor splits heads, MLP width and vocabulary.
+# model dimension of every matrix, tensor splits heads, MLP width and vocabulary. An activation
+# keeps its model dimension ("act_embed") whole: fsdp already splits its batch.
 RULES = {
     "batch": ("data", "fsdp"),
     "embed": "fsdp",
@@ -21,6 +26,9 @@ RULES = {
     "mlp": "tensor",
     "norm": None,
     "mtp_concat": None,  # MTP's [2d, d] input projection: its output dim takes fsdp as "embed"
+  "act_embed": None,
+  "length": None,
+  "head_dim": None,
 }
 
 
@@ -61,6 +69,41 @@ def logical_spec(axes, shape, mesh):
     else:
       spec.append(None)
   return P(*spec)
+
+
+def use_mesh(mesh):
+  """Context in which `constrain` shards activations over `mesh`; enter it inside the traced step."""
+  return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def constrain(x, axes):
+  """x with its trailing dims named `axes` sharded by RULES over the mesh in context (`use_mesh`).
+
+  A no-op outside one (single-device calls, decoding); dims the mesh does not divide (a batch
+  of 1) stay replicated, as in `logical_spec`.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_spec(axes, x.shape, mesh))
+
+
+def per_batch_shard(fn, rows, *whole):
+  """fn(rows, *whole) with each device taking its own batch shard of `rows` (arrays whose
+  leading dim is the batch; so are fn's outputs): shard_map over the batch mesh axes in context.
+
+  For what GSPMD cannot split by itself (a Pallas kernel, a scan over token chunks); `whole`
+  arrives complete on the batch axes and its gradient sums over the shards. Just fn(rows,
+  *whole) without a mesh or when the rows do not divide over the shards.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = () if mesh.empty else tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
+  if not axes or jax.tree.leaves(rows)[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
+    return fn(rows, *whole)
+  # check_vma=False: the custom VJPs inside return shard-varying weight gradients for whole
+  # (invariant) inputs, which shard_map's transpose then sums.
+  return jax.shard_map(fn, in_specs=(P(axes),) + (P(),) * len(whole), out_specs=P(axes),
+                       axis_names=set(axes), check_vma=False)(rows, *whole)
 
 
 def state_shardings(state, mesh):

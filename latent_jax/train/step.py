@@ -86,7 +86,8 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
       # gradients for them (activation gradients still flow through them).
       params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, trains)
       return objective(nnx.merge(graphdef, params), batch, cfg)
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    with sharding.use_mesh(mesh):  # activations shard like the batch (sharding.constrain)
+      (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -98,7 +99,8 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
 
 def make_eval_step(graphdef, cfg, param_shardings, mesh):
   def eval_step(params, batch):
-    return objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
+    with sharding.use_mesh(mesh):
+      return objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
   return jax.jit(eval_step, in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.replicated(mesh))
 
