@@ -26,9 +26,9 @@ RULES = {
     "mlp": "tensor",
     "norm": None,
     "mtp_concat": None,  # MTP's [2d, d] input projection: its output dim takes fsdp as "embed"
-  "act_embed": None,
-  "length": None,
-  "head_dim": None,
+    "act_embed": None,
+    "length": None,
+    "head_dim": None,
 }
 
 
