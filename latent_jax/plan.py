@@ -26,6 +26,7 @@ import time
 
 import jax
 
+import pallas_kernels
 from latent_jax import cli, distributed
 from latent_jax.config import load_config, validate
 from latent_jax.train import phases, sharding
@@ -154,8 +155,6 @@ def plan(cfg, topology="local", hbm_gib=None):
   runs = phases.plan(cfg)
   print(f"{len(devices)} x {devices[0].device_kind} ({name}), mesh "
         + " ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f", {hbm / GIB:.2f} GiB per device ({hbm_source})")
-  if devices[0].platform != jax.default_backend() and cfg.kernels.impl == "auto":
-    print(f"kernels.impl=auto picks by this host's backend ({jax.default_backend()}), not {devices[0].platform}'s")
 
   # As in the train loop: the state's shardings and layout are the same in every phase.
   graphdef, abstract_params = steps.abstract_model(cfg)
@@ -171,7 +170,8 @@ def plan(cfg, topology="local", hbm_gib=None):
     result = {"phase": phase.number, "seq_len": phase.seq_len, "params_bytes": bytes_per_device(state["params"]),
               "opt_state_bytes": bytes_per_device(state["opt_state"]), "batch_bytes": bytes_per_device(batch)}
     start = time.perf_counter()
-    lowered = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(state, batch)
+    with pallas_kernels.target_backend(devices[0].platform):  # kernels.impl=auto picks for TOPO's devices
+      lowered = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(state, batch)
     try:
       compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -25,19 +28,39 @@ PRECISION = lax.Precision.HIGHEST
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+_TARGET = contextvars.ContextVar("target_backend", default=None)
+
+
+@contextlib.contextmanager
+def target_backend(platform: str):
+  """Trace for `platform` ("cpu", "gpu", "tpu") instead of this host's backend: what "auto"
+  picks and how kernels compile, for a program compiled ahead of time for devices this host
+  does not have (latent_jax.plan)."""
+  token = _TARGET.set(platform)
+  try:
+    yield
+  finally:
+    _TARGET.reset(token)
+
+
+def backend() -> str:
+  """The backend kernels are traced for: target_backend's, else jax.default_backend()."""
+  return _TARGET.get() or jax.default_backend()
+
+
 def resolve_impl(impl: str) -> tuple[str, bool]:
   """Map a user-facing impl name to (family, interpret) at trace time; "auto" means
   "pallas" on GPU and TPU, "xla" elsewhere."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  backend = jax.default_backend()
+  backend_ = backend()
   if impl == "auto":
-    impl = "pallas" if backend in ("gpu", "tpu") else "xla"
+    impl = "pallas" if backend_ in ("gpu", "tpu") else "xla"
   if impl == "pallas_interpret":
     return "pallas", True
   if impl == "pallas":
     # A Pallas kernel cannot be compiled for CPU; interpreting is the only way to run it.
-    return "pallas", backend == "cpu"
+    return "pallas", backend_ == "cpu"
   return impl, False
 
 
@@ -45,7 +68,7 @@ def compiler_params(interpret: bool):
   """Triton on GPU: the kernels are written for it (grid over owned blocks, reduction
   loops inside, whole operands sliced with pl.ds). jax's GPU default is now Mosaic GPU,
   which would stage whole operands in shared memory. Backend defaults elsewhere."""
-  if interpret or jax.default_backend() != "gpu":
+  if interpret or backend() != "gpu":
     return None
   return pl_triton.CompilerParams(num_warps=4, num_stages=2)
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import matmul, pad_to, resolve_impl, round_up
+from pallas_kernels._common import backend, matmul, pad_to, resolve_impl, round_up
 from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
 
 # One chunk of fp32 logits in the xla path is at most about this many bytes (512 tokens at
@@ -226,6 +226,6 @@ def fused_cross_entropy(
     chunk = chunk_size or default_chunk(hidden.shape[0], weight.shape[1])
     loss, lse = xla_cross_entropy(hidden, weight, labels, logit_soft_cap, chunk)
   else:
-    tpu = jax.default_backend() == "tpu"  # VMEM-tiled kernels there, Triton-style elsewhere
+    tpu = backend() == "tpu"  # VMEM-tiled kernels there, Triton-style elsewhere
     loss, lse = pallas_cross_entropy(hidden, weight, labels, logit_soft_cap, interpret, tpu)
   return (loss, lse) if return_lse else loss

@@ -101,9 +101,11 @@ def per_batch_shard(fn, rows, *whole):
   if not axes or jax.tree.leaves(rows)[0].shape[0] % math.prod(mesh.shape[a] for a in axes):
     return fn(rows, *whole)
   # check_vma=False: the custom VJPs inside return shard-varying weight gradients for whole
-  # (invariant) inputs, which shard_map's transpose then sums.
+  # (invariant) inputs, which shard_map's transpose then sums. Axes of size 1 are manual too: a
+  # Mosaic (TPU Pallas) kernel lowers only where no axis is left to automatic partitioning.
+  manual = set(axes) | {a for a in mesh.axis_names if mesh.shape[a] == 1}
   return jax.shard_map(fn, in_specs=(P(axes),) + (P(),) * len(whole), out_specs=P(axes),
-                       axis_names=set(axes), check_vma=False)(rows, *whole)
+                       axis_names=manual, check_vma=False)(rows, *whole)
 
 
 def state_shardings(state, mesh):
