@@ -80,9 +80,13 @@ def test_blocked_skips_blocks_and_pads():
   for block in (4, 8):
     got = A.attention(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), seg, pos, 3, "xla_blocked", block)
     np.testing.assert_allclose(got, ref.attention(q, k, v, pos, seg, 3), rtol=1e-4, atol=1e-5)
-  assert A.resolve("auto", 128, 128) == "dense" and A.resolve("auto", 129, 128) == "xla_blocked"
   with pytest.raises(ValueError, match="must be one of"):
     A.resolve("flash", 8)
+
+
+def test_auto_is_dense_for_one_block_then_the_backend_kernel():
+  assert [A.resolve("auto", 128, 128, b) for b in ("cpu", "tpu", "gpu")] == ["dense"] * 3
+  assert [A.resolve("auto", 129, 128, b) for b in ("cpu", "tpu", "gpu")] == ["xla_blocked", "pallas_tpu", "pallas_gpu"]
 
 
 def test_blocked_traced_window_under_scan():
@@ -147,15 +151,20 @@ def test_models_agree_dense_vs_blocked(config, with_grads):
     assert np.max(np.abs(np.asarray(b) - np.asarray(a))) <= 1e-4 * np.max(np.abs(np.asarray(a)))
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
-def test_pallas_interpreted_matches_dense(impl):
+# step 3: positions 3 apart inside documents, as TST's positions="token" bags and ConceptLM's
+# concept_positions="token" give; there the index masks are wrong under a window.
+@pytest.mark.parametrize("impl,step", [("pallas_tpu", 1), ("pallas_gpu", 1), ("pallas_tpu", 3)])
+def test_pallas_interpreted_matches_dense(impl, step):
   """The Pallas kernels, interpreted on CPU, under a scan over a traced window as in the model
   (pallas_gpu: its window-5 layer is xla_blocked): values and dq, dk, dv against dense. T = 150
-  pads to two 128-blocks; documents start mid-block."""
+  pads to two 128-blocks; documents start mid-block. With step 3 the windowed layer must fall
+  back to xla_blocked and the full-causal one may keep the kernel."""
   t = 150
   q, k, v = (jnp.asarray(a, jnp.float32) for a in qkv(2, t, 4, 2, 8))
   seg, pos = rows(t, [[0, 60, 150], [0, 150]])
+  pos = pos * step
   windows = (5, NO_WINDOW)
+  assert bool(A.index_masks_exact(seg, pos, 5)) == (step == 1) and A.index_masks_exact(seg, pos, NO_WINDOW)
 
   def loss(q, k, v, impl):
     def body(x, w):

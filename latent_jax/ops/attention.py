@@ -14,9 +14,13 @@ closer than `window` (`transformer.attention_mask`). Implementations (IMPLS):
                and segment ids, one kernel per static window size in `windows`.
   pallas_gpu   full-causal layers: jax's Pallas (Triton) flash attention with segment ids;
                windowed layers: xla_blocked (that kernel has no window; docs/kernels.md).
-  auto         xla_blocked when T spans more than one block, dense otherwise (at one block the
-               blocked loop only adds overhead: 1.3x dense at T = 128 on CPU, docs/kernels.md).
-               On every backend: the Pallas kernels have not run on a TPU or GPU yet.
+  auto         dense when T fits in one block (there the blocked loop only adds overhead:
+               1.3x dense at T = 128 on CPU, docs/kernels.md); beyond it pallas_tpu on TPU,
+               pallas_gpu on GPU, xla_blocked elsewhere. The Pallas kernels have been run
+               interpreted and lowered only, never compiled on a TPU or GPU (docs/kernels.md).
+
+The Pallas kernels mask by sequence index; they run only where that equals the mask by
+position (`index_masks_exact`, checked on the traced batch), and xla_blocked runs otherwise.
 
 KV-cache decoding (queries against a cache of other positions) uses the dense path directly.
 """
@@ -174,13 +178,25 @@ def blocked_attention(q, k, v, segment_ids, positions, window, block=BLOCK):
   return out.reshape(b, t + pad, h, d)[:, :t]
 
 
+# ------------------------------------------------------------------------- Pallas kernels
+# Splash and jax's GPU kernel mask by sequence index (causal, `window - 1` keys back) and
+# segment. That is the dense mask by position when positions rise inside each document, by
+# exactly one per token under a window: packed rows, but not TST's positions="token" bags or
+# ConceptLM's concept_positions="token" (steps of s or k, the window counted in tokens). The
+# batch decides at run time, so every caller is exact and no config has to know.
+def index_masks_exact(segment_ids, positions, window):
+  """Whether the masks by index equal the dense mask on every real (segment > 0) token."""
+  step = positions[:, 1:] - positions[:, :-1]
+  rises = jnp.where(window >= T.NO_WINDOW, step >= 1, step == 1)
+  same_doc = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+  return jnp.all(rises | ~same_doc)
+
+
 # ----------------------------------------------------------------------------- pallas_tpu
 # Splash attention's masks are static NumPy-level objects, while the window arrives traced
 # (one per scanned layer). A config has few window sizes (a window and NO_WINDOW), so one
-# kernel is built per size and lax.switch picks the one equal to the traced window. Its masks
-# are by sequence index (causal, `window - 1` keys back) and segment: equal to dense when
-# positions count tokens within a document, which holds for packed rows but not for TST's
-# "token" bag positions or ConceptLM's concept_positions="token" (use xla_blocked there).
+# kernel is built per size and lax.switch picks the one equal to the traced window; a window
+# outside `windows` runs xla_blocked.
 SPLASH_BLOCK = 128  # splash's default block sizes; T is padded to a multiple
 
 
@@ -192,7 +208,7 @@ def splash_kernel(t, heads, window, interpret):
 
 
 def splash_attention(q, k, v, segment_ids, window, windows, interpret):
-  """Splash attention for q [B,T,H,D], k/v [B,T,K,D]; `windows` holds every value `window` takes."""
+  """Splash attention for q [B,T,H,D], k/v [B,T,K,D]; `window` must be one of `windows`."""
   b, t, h, d = q.shape
   pad = -t % SPLASH_BLOCK
   widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
@@ -205,12 +221,21 @@ def splash_attention(q, k, v, segment_ids, window, windows, interpret):
   return jnp.moveaxis(lax.switch(index, branches), 1, 2)[:, :t]
 
 
+def tpu_attention(q, k, v, segment_ids, positions, window, windows, block, interpret):
+  """pallas_tpu: splash where its masks are exact and `window` is one of `windows`, else xla_blocked."""
+  window = jnp.asarray(window, jnp.int32)
+  known = jnp.any(jnp.asarray(windows, jnp.int32) == window)
+  return lax.cond(known & index_masks_exact(segment_ids, positions, window),
+                  lambda: splash_attention(q, k, v, segment_ids, window, windows, interpret),
+                  lambda: blocked_attention(q, k, v, segment_ids, positions, window, block))
+
+
 # ----------------------------------------------------------------------------- pallas_gpu
 # jax.nn.dot_product_attention(implementation="cudnn") takes is_causal and a static
 # local_window_size but no segment ids (only per-row lengths), so it cannot mask packed
 # documents; jax's Pallas GPU kernel (ops/gpu/attention.py) masks causal + segments but has no
 # window. So full-causal layers run that kernel and windowed layers xla_blocked, picked by
-# lax.cond on the traced window. Its causal mask is by index: the same caveat as splash.
+# lax.cond on the traced window (and on `index_masks_exact`).
 def pallas_gpu_causal(q, k, v, segment_ids, interpret):
   """jax's Pallas GPU flash attention, causal with segment ids; K/V heads repeated to H."""
   b, t, h, d = q.shape
@@ -225,18 +250,22 @@ def pallas_gpu_causal(q, k, v, segment_ids, interpret):
 
 def gpu_attention(q, k, v, segment_ids, positions, window, block, interpret):
   """pallas_gpu: the Pallas kernel for full-causal layers, xla_blocked for windowed ones."""
-  return lax.cond(window >= T.NO_WINDOW,
+  window = jnp.asarray(window, jnp.int32)
+  return lax.cond((window >= T.NO_WINDOW) & index_masks_exact(segment_ids, positions, window),
                   lambda: pallas_gpu_causal(q, k, v, segment_ids, interpret),
                   lambda: blocked_attention(q, k, v, segment_ids, positions, window, block))
 
 
 # ----------------------------------------------------------------------------------- public
-def resolve(impl, seq_len, block=BLOCK):
-  """The implementation `impl` names; "auto" -> xla_blocked beyond one block, else dense."""
+AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # beyond one block; xla_blocked elsewhere
+
+
+def resolve(impl, seq_len, block=BLOCK, backend=None):
+  """The implementation `impl` names; "auto": dense up to one block, then by backend (AUTO)."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
   if impl == "auto":
-    return "xla_blocked" if seq_len > block else "dense"
+    return "dense" if seq_len <= block else AUTO.get(backend or jax.default_backend(), "xla_blocked")
   return impl
 
 
@@ -252,7 +281,7 @@ def attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK,
   if impl == "dense":
     return dense_attention(q, k, v, segment_ids, positions, window)
   if impl == "pallas_tpu":  # compiled on TPU; interpreting is the only way it runs elsewhere
-    return splash_attention(q, k, v, segment_ids, window, windows, jax.default_backend() != "tpu")
+    return tpu_attention(q, k, v, segment_ids, positions, window, windows, block, jax.default_backend() != "tpu")
   if impl == "pallas_gpu":
     return gpu_attention(q, k, v, segment_ids, positions, window, block, jax.default_backend() != "gpu")
   return blocked_attention(q, k, v, segment_ids, positions, window, block)
