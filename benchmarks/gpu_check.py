@@ -12,8 +12,10 @@ Stages, each printed as it finishes, so a run cut short still reports what it re
      2048 x 512 x 32000), time of loss + grad and XLA's scratch memory;
   3. benchmarks/codebook_mix.py in bf16 at the 8.94B model's shapes;
   4. benchmarks/train_throughput.py: configs/d512.py in bf16 with kernels.impl = pallas and xla,
-     tokens/s, TFLOP/s and MFU against the device's data-sheet bf16 peak (train/flops.py).
-Exits 1 if any comparison in stage 1 fails; the later stages run regardless.
+     tokens/s, TFLOP/s and MFU against the device's data-sheet bf16 peak (train/flops.py);
+  5. attention (latent_jax/ops/attention.py): pallas_gpu (compiled) and xla_blocked against
+     dense on the GPU, values and dq/dk/dv, then benchmarks/attention.py in bf16.
+Exits 1 if any comparison in stage 1 or 5 fails; the later stages run regardless.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels as pk
+from latent_jax.ops import attention as A
+from latent_jax.ops.transformer import NO_WINDOW
 from latent_jax.train import flops
 
 # fp32: both impls ask for HIGHEST precision, so only summation order differs.
@@ -95,6 +99,39 @@ def stage_correctness(quick):
   return ok
 
 
+def check_attention(impl, dtype, t, window):
+  """max relative error of attention and its q, k, v gradients against dense, 3 documents a row."""
+  k = jax.random.split(jax.random.key(t), 4)
+  q = jax.random.normal(k[0], (2, t, 8, 64)).astype(dtype)
+  kv = [jax.random.normal(x, (2, t, 2, 64)).astype(dtype) for x in k[1:3]]
+  cot = jax.random.normal(k[3], q.shape).astype(dtype)
+  seg = jnp.broadcast_to(1 + (jnp.arange(t) >= t // 3) + (jnp.arange(t) >= t // 2), (2, t)).astype(jnp.int32)
+  pos = jnp.arange(t) - jnp.where(jnp.arange(t) >= t // 2, t // 2, jnp.where(jnp.arange(t) >= t // 3, t // 3, 0))
+  pos = jnp.broadcast_to(pos, (2, t)).astype(jnp.int32)
+
+  def f(impl):
+    def go(q, k, v):
+      out, vjp = jax.vjp(lambda q, k, v: A.attention(q, k, v, seg, pos, window, impl, windows=(window,)), q, k, v)
+      return (out, *vjp(cot))
+    return jax.jit(go)
+
+  return max(_rel(a, b) for a, b in zip(f(impl)(q, *kv), f("dense")(q, *kv)))
+
+
+def stage_attention(quick):
+  print("\n## 5. attention against dense, max |diff| / max |ref| over output and dq, dk, dv\n")
+  print("| impl | T | window | dtype | rel. error | bound | ok |\n|---|---|---|---|---|---|---|")
+  ok = True
+  for dtype in (jnp.float32, jnp.bfloat16):
+    for impl in ("pallas_gpu", "xla_blocked"):
+      for t, window in [(1000, NO_WINDOW), (1000, 100)] + ([] if quick else [(4096, NO_WINDOW)]):
+        err = check_attention(impl, dtype, t, window)
+        ok &= err <= TOL[dtype]
+        print(f"| {impl} | {t} | {window} | {jnp.dtype(dtype).name} | {err:.2e} | {TOL[dtype]:.0e} "
+              f"| {err <= TOL[dtype]} |", flush=True)
+  return ok
+
+
 def run(title, cmd):
   print(f"\n## {title}\n\n`{' '.join(cmd)}`\n", flush=True)
   subprocess.run([sys.executable, *cmd], check=False)
@@ -129,6 +166,11 @@ def main():
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"| {impl} | {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e12:.1f} | {r['flops_per_s'] / peak:.3f} |",
           flush=True)
+  ok &= stage_attention(a.quick)
+  run("5b. attention, bf16, forward + backward",
+      ["-m", "benchmarks.attention", "--impls", "dense,xla_blocked,pallas_gpu", "--dtype", "bfloat16",
+       "--heads", "16", "--groups", "4", "--dim", "128", "--reps", reps,
+       "--shapes", "4x2048x0,4x2048x512,1x8192x0,1x8192x512"])
   sys.exit(0 if ok else 1)
 
 

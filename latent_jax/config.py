@@ -156,6 +156,7 @@ def validate(cfg):
   check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh.data/fsdp/tensor",
         "at most one may be -1 (fill).")
   check_choice(cfg.kernels.impl, "kernels.impl", KERNEL_IMPLS)
+  check_choice(cfg.kernels.get("attention", "auto"), "kernels.attention", ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu"))
   if m.name == "concept":
     validate_ncp(cfg)
   validate_tst(cfg)

@@ -12,7 +12,14 @@ SCRIPT = textwrap.dedent("""
     import os, sys
     # 8 device threads on 2 busy cores can reach a collective far apart: XLA:CPU's default 40 s
     # before it aborts a collective nobody else has joined yet is too short under CI load.
-    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 "
+    # 32 fake devices for a mesh of 8: XLA:CPU sizes its thread pools to the device count (one
+    # thread per device) but runs a device's independent collectives concurrently, each one
+    # blocking a thread until its peers join. With 8 devices all 8 threads ended up blocked,
+    # some devices holding two, while one device had no thread left to reach its collectives:
+    # a deadlock under load, in the code before and after kernels.attention alike. With this
+    # script at 30 steps, 2-4 runs at once on 2 loaded cores: 8 devices hung in 8 of 9 runs,
+    # 32 devices in 0 of 49. 32 threads leave room.
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=32 "
                                "--xla_cpu_collective_call_terminate_timeout_seconds=900")
     import jax, numpy as np
     from latent_jax import load_config
@@ -45,7 +52,7 @@ SCRIPT = textwrap.dedent("""
       return losses, state
 
     one_losses, one = run((1, 1, 1), jax.devices()[:1])
-    many_losses, many = run((2, 2, 2), jax.devices())
+    many_losses, many = run((2, 2, 2), jax.devices()[:8])
     np.testing.assert_allclose(many_losses, one_losses, rtol=2e-5)
     for a, b in zip(jax.tree.leaves(one["params"]), jax.tree.leaves(many["params"])):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)

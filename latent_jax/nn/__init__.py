@@ -8,11 +8,16 @@ def build_model(cfg, rngs):
   """Build the model that `model.name` names.
 
   Pass `cfg.model` for the inference model, or the whole config for the training model, which
-  adds the training-only heads its `nitp` / `mtp` sections enable (docs/aux.md).
+  adds the training-only heads its `nitp` / `mtp` sections enable (docs/aux.md) and takes its
+  attention kernel from `kernels.attention` ("auto" otherwise).
   """
   whole = cfg if "model" in cfg else None
   m = whole.model if whole else cfg
   if m.name not in ("baseline", "concept"):
     raise ValueError(f"model.name={m.name!r} is not a known model; use 'baseline' or 'concept'.")
   model = (BaselineLM if m.name == "baseline" else ConceptLM)(m, rngs)
-  return add_heads(model, whole, rngs) if whole else model
+  if not whole:
+    return model
+  model = add_heads(model, whole, rngs)
+  model.set_attributes(attention_impl=whole.kernels.get("attention", "auto"))
+  return model

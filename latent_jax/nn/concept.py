@@ -58,6 +58,7 @@ class ResidualStack(nnx.Module):
     self.routes = nnx.List([CrossModuleRoute(cfg, num_layers, k, rngs) for k in source_depths])
     window = cfg.window * window_unit if cfg.window > 0 else 0
     self.windows = (num_layers, window, cfg.full_attention_every)
+    self.blocks.set_attributes(windows=T.window_sizes(*self.windows))
     self.num_layers, self.irc, self.irc_softmax = num_layers, cfg.irc, cfg.irc_softmax
     self.remat, self.dtype = cfg.remat, jnp.dtype(cfg.dtype)
 

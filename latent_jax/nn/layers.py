@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from latent_jax.ops import attention as A
 from latent_jax.ops import transformer as T
 from latent_jax.train.sharding import constrain
 
@@ -33,7 +34,13 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-  """GQA with RoPE, optional QK-norm and an optional KV cache for decoding."""
+  """GQA with RoPE, optional QK-norm and an optional KV cache for decoding.
+
+  `attention_impl` (latent_jax.ops.attention.IMPLS) picks the kernel of the uncached path;
+  `build_model` sets it from `kernels.attention`. Decoding with a cache uses the dense one.
+  `windows`: the static window sizes the traced `window` takes (set by the stacks; the splash
+  kernel needs them).
+  """
 
   def __init__(self, cfg, rngs):
     d, h, k, hd = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -50,6 +57,8 @@ class Attention(nnx.Module):
     self.shape = (h, k, hd)
     self.rope_base = cfg.rope_base
     self.dtype = jnp.dtype(cfg.dtype)
+    self.attention_impl = "auto"
+    self.windows = (T.NO_WINDOW,)
 
   def __call__(self, x, positions, segment_ids, window, cache=None, cache_index=None):
     h, k, hd = self.shape
@@ -64,14 +73,14 @@ class Attention(nnx.Module):
       q, key = self.q_norm(q), self.k_norm(key)
     q, key = T.rope(q, positions, self.rope_base), T.rope(key, positions, self.rope_base)
     if cache is None:
-      mask = T.attention_mask(positions, positions, segment_ids, segment_ids, window)
+      out = A.attention(q, key, val, segment_ids, positions, window, self.attention_impl, windows=self.windows)
     else:  # decoding one document: write slots cache_index.., each with the position of its key
       key = jax.lax.dynamic_update_slice(cache["k"], key.astype(cache["k"].dtype), (0, cache_index, 0, 0))
       val = jax.lax.dynamic_update_slice(cache["v"], val.astype(cache["v"].dtype), (0, cache_index, 0, 0))
       pos = jax.lax.dynamic_update_slice(cache["pos"], positions.astype(jnp.int32), (0, cache_index))
       cache = {"k": key, "v": val, "pos": pos}
       mask = T.attention_mask(positions, pos, segment_ids, jnp.zeros_like(pos) + segment_ids[:, :1], window)
-    out = T.attention(q, key.astype(self.dtype), val.astype(self.dtype), mask)
+      out = T.attention(q, key.astype(self.dtype), val.astype(self.dtype), mask)
     out = constrain(out.reshape(b, t, h * hd), ("batch", "length", "heads"))
     return out @ w(self.o), cache
 
@@ -129,6 +138,7 @@ class BlockStack(nnx.Module):
     self.blocks = stacked_blocks(cfg, num_layers, rngs)
     self.num_layers = num_layers
     self.windows = (num_layers, cfg.window, cfg.full_attention_every)
+    self.blocks.set_attributes(windows=T.window_sizes(*self.windows))
     self.remat = cfg.remat
 
   def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, tap=0):

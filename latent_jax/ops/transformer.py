@@ -58,10 +58,20 @@ def swiglu(x, w_gate, w_up, w_down):
   return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
 
 
-def layer_windows(num_layers, window, full_attention_every):
-  """Per-layer window sizes: every `full_attention_every`-th layer (1-indexed) is full."""
+def window_list(num_layers, window, full_attention_every):
+  """Per-layer window sizes (Python ints): every `full_attention_every`-th layer (1-indexed) is full."""
   sizes = []
   for i in range(num_layers):
     full = window <= 0 or full_attention_every <= 1 or (i + 1) % full_attention_every == 0
     sizes.append(NO_WINDOW if full else window)
-  return jnp.asarray(sizes, dtype=jnp.int32)
+  return sizes
+
+
+def layer_windows(num_layers, window, full_attention_every):
+  """Per-layer window sizes as an int32 array, scanned over with the layers."""
+  return jnp.asarray(window_list(num_layers, window, full_attention_every), dtype=jnp.int32)
+
+
+def window_sizes(num_layers, window, full_attention_every):
+  """The distinct window sizes of the layers, static (one splash kernel each), plus NO_WINDOW."""
+  return tuple(sorted(set(window_list(num_layers, window, full_attention_every)) | {NO_WINDOW}))

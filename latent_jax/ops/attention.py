@@ -1,0 +1,293 @@
+"""Causal, sliding-window, document-masked GQA self-attention, one function and a chooser `impl`.
+
+    attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK, windows=(NO_WINDOW,))
+    q [B, T, H, D], k/v [B, T, K, D], segment_ids/positions [B, T] int, window int (may be traced)
+
+A query sees a key iff both are in the same segment, the key's position is <= the query's and
+closer than `window` (`transformer.attention_mask`). Implementations (IMPLS):
+
+  dense        the [B, T, T] mask and [B, K, G, T, T] fp32 scores; the reference.
+  xla_blocked  online softmax over key blocks (flash attention in plain JAX): memory
+               O(T * block) forward and backward (custom VJP recomputing each block), key
+               blocks wholly outside the causal window skipped. Any backend.
+  pallas_tpu   Pallas splash attention (TPU; interpreted elsewhere): causal local-window mask
+               and segment ids, one kernel per static window size in `windows`.
+  pallas_gpu   full-causal layers: jax's Pallas (Triton) flash attention with segment ids;
+               windowed layers: xla_blocked (that kernel has no window; docs/kernels.md).
+  auto         dense when T fits in one block (there the blocked loop only adds overhead:
+               1.3x dense at T = 128 on CPU, docs/kernels.md); beyond it pallas_tpu on TPU,
+               pallas_gpu on GPU, xla_blocked elsewhere. The Pallas kernels have been run
+               interpreted and lowered only, never compiled on a TPU or GPU (docs/kernels.md).
+
+The Pallas kernels mask by sequence index; they run only where that equals the mask by
+position (`index_masks_exact`, checked on the traced batch), and xla_blocked runs otherwise.
+
+KV-cache decoding (queries against a cache of other positions) uses the dense path directly.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+from latent_jax.ops import transformer as T
+from latent_jax.train.sharding import per_batch_shard
+from pallas_kernels._common import backend as kernel_backend
+
+IMPLS = ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu")
+BLOCK = 128  # query and key block of xla_blocked: the fastest of 64..512 at T >= 2048 on CPU (docs/kernels.md)
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite -inf: exp underflows to 0, 0 * MASK is 0
+
+
+def dense_attention(q, k, v, segment_ids, positions, window):
+  """softmax(q k^T / sqrt(D) + mask) v with the whole [B, T, T] mask: the reference."""
+  mask = T.attention_mask(positions, positions, segment_ids, segment_ids, window)
+  return T.attention(q, k, v, mask)
+
+
+# ---------------------------------------------------------------------------- xla_blocked
+# Block skipping with a traced window: the loops run over every (query block, key block) pair
+# with a static length (scan, so reverse mode works), and `lax.cond` on a scalar computed from
+# the two block indices and the window skips a pair wholly above the diagonal or wholly
+# further back than the window. The predicate depends on indices only, not on the batch's
+# data, so it costs nothing and needs no cross-device reduction when the batch is sharded.
+# Inside a block the mask is the dense one (positions and segments), so the result equals
+# dense whenever positions grow by at least one per token inside a document (packed rows,
+# TST bags, concept positions): then a key later in the sequence, or more than `window`
+# indices back, is masked anyway. Padding (segment 0, every position 0) breaks that and its
+# rows may differ from dense; no loss reads them.
+def block_visible(i, j, block, window):
+  """Whether query block i may see any key of key block j (causal, within the window)."""
+  return (j <= i) & ((i - j - 1) * block + 1 < window)
+
+
+def block_scores(q, k, seg_q, seg_k, pos_q, pos_k, window):
+  """Scaled fp32 scores [B, K, G, bq, bk] of one block pair and its mask [B, 1, 1, bq, bk]."""
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+  mask = T.attention_mask(pos_q, pos_k, seg_q, seg_k, window)[:, None, None]
+  return jnp.where(mask, s, MASK), mask
+
+
+def split_blocks(x, block):
+  """[B, n * block, ...] -> [n, B, block, ...] (the loop axis first)."""
+  return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
+
+
+def merge_blocks(x):
+  """[n, B, block, ...] -> [B, n * block, ...]."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])
+
+
+def blocked_forward(q, k, v, seg, pos, window, block):
+  """Flash-attention forward: out [B, T, K, G, D] and lse [B, K, G, T] (fp32)."""
+  qs, ks, vs, segs, poss = (split_blocks(a, block) for a in (q, k, v, seg, pos))
+  b, _, kh, g, d = q.shape
+
+  def query_block(i):
+    qi, seg_i, pos_i = qs[i], segs[i], poss[i]
+
+    def key_block(carry, j):
+      def update(carry):
+        m, l, acc = carry
+        s, mask = block_scores(qi, ks[j], seg_i, segs[j], pos_i, poss[j], window)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), vs[j], preferred_element_type=jnp.float32)
+        acc = acc * jnp.moveaxis(scale, -1, 1)[..., None] + pv
+        return m_new, l * scale + p.sum(-1), acc
+      return lax.cond(block_visible(i, j, block, window), update, lambda c: c, carry), None
+
+    init = (jnp.full((b, kh, g, block), MASK, jnp.float32), jnp.zeros((b, kh, g, block), jnp.float32),
+            jnp.zeros((b, block, kh, g, d), jnp.float32))
+    (m, l, acc), _ = lax.scan(key_block, init, jnp.arange(len(ks)))
+    l = jnp.where(l == 0, 1.0, l)  # a row that sees no key (block padding) gets 0
+    return (acc / jnp.moveaxis(l, -1, 1)[..., None]).astype(q.dtype), m + jnp.log(l)
+
+  out, lse = lax.map(query_block, jnp.arange(len(qs)))
+  return merge_blocks(out), jnp.moveaxis(lse, 0, 3).reshape(b, kh, g, -1)
+
+
+def blocked_backward(q, k, v, seg, pos, window, block, out, lse, dout):
+  """Flash-attention backward, one pass: for each key block, loop over the query blocks that
+  see it, accumulating dk, dv for the block and dq for every query block (recomputing p)."""
+  scale = q.shape[-1] ** -0.5
+  delta = jnp.einsum("bqkgd,bqkgd->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32))
+  qs, dos, segs, poss = (split_blocks(a, block) for a in (q, dout, seg, pos))
+  ks, vs = split_blocks(k, block), split_blocks(v, block)
+  lses, deltas = (jnp.moveaxis(a.reshape(*a.shape[:3], -1, block), 3, 0) for a in (lse, delta))
+
+  def key_block(dq, j):
+    kj, vj = ks[j], vs[j]
+
+    def query_block(carry, i):
+      def update(carry):
+        dk, dv, dq = carry
+        s, mask = block_scores(qs[i], kj, segs[i], segs[j], poss[i], poss[j], window)
+        p = jnp.where(mask, jnp.exp(s - lses[i][..., None]), 0.0)                         # [b,k,g,q,s]
+        dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dos.dtype), dos[i], preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bqkgd,bskd->bkgqs", dos[i], vj, preferred_element_type=jnp.float32)
+        ds = (p * (dp - deltas[i][..., None]) * scale).astype(q.dtype)
+        dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qs[i], preferred_element_type=jnp.float32)
+        dq = dq.at[i].add(jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=jnp.float32))
+        return dk, dv, dq
+      return lax.cond(block_visible(i, j, block, window), update, lambda c: c, carry), None
+
+    zeros = jnp.zeros(kj.shape, jnp.float32)
+    (dk, dv, dq), _ = lax.scan(query_block, (zeros, zeros, dq), jnp.arange(len(qs)))
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = lax.scan(key_block, jnp.zeros(qs.shape, jnp.float32), jnp.arange(len(ks)))
+  return (merge_blocks(dq).astype(q.dtype), merge_blocks(dk).astype(k.dtype), merge_blocks(dv).astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _blocked(q, k, v, seg, pos, window, block):
+  return blocked_forward(q, k, v, seg, pos, window, block)[0]
+
+
+def _blocked_fwd(q, k, v, seg, pos, window, block):
+  out, lse = blocked_forward(q, k, v, seg, pos, window, block)
+  return out, (q, k, v, seg, pos, window, out, lse)
+
+
+def _blocked_bwd(block, res, dout):
+  q, k, v, seg, pos, window, out, lse = res
+  dq, dk, dv = blocked_backward(q, k, v, seg, pos, window, block, out, lse, dout)
+  return dq, dk, dv, None, None, None
+
+
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def blocked_attention(q, k, v, segment_ids, positions, window, block=BLOCK):
+  """Flash attention in plain JAX over blocks of `block` tokens; T is padded to whole blocks
+  with keys of segment -1, which no query sees."""
+  b, t, h, d = q.shape
+  kh = k.shape[2]
+  block = min(block, t)
+  pad = -t % block
+  if pad:
+    widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+    q, k, v, positions = (jnp.pad(x, widths(x)) for x in (q, k, v, positions))
+    segment_ids = jnp.pad(segment_ids, widths(segment_ids), constant_values=-1)
+  q = q.reshape(b, t + pad, kh, h // kh, d)
+  window = jnp.asarray(window, jnp.int32)
+  out = _blocked(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32), window, block)
+  return out.reshape(b, t + pad, h, d)[:, :t]
+
+
+# ------------------------------------------------------------------------- Pallas kernels
+# Splash and jax's GPU kernel mask by sequence index (causal, `window - 1` keys back) and
+# segment. That is the dense mask by position when positions rise inside each document, by
+# exactly one per token under a window: packed rows, but not TST's positions="token" bags or
+# ConceptLM's concept_positions="token" (steps of s or k, the window counted in tokens). The
+# batch decides at run time, so every caller is exact and no config has to know.
+def index_masks_exact(segment_ids, positions, window):
+  """Whether the masks by index equal the dense mask on every real (segment > 0) token."""
+  step = positions[:, 1:] - positions[:, :-1]
+  rises = jnp.where(window >= T.NO_WINDOW, step >= 1, step == 1)
+  same_doc = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+  return jnp.all(rises | ~same_doc)
+
+
+# ----------------------------------------------------------------------------- pallas_tpu
+# Splash attention's masks are static NumPy-level objects, while the window arrives traced
+# (one per scanned layer). A config has few window sizes (a window and NO_WINDOW), so one
+# kernel is built per size and lax.switch picks the one equal to the traced window; a window
+# outside `windows` runs xla_blocked.
+SPLASH_BLOCK = 128  # splash's default block sizes; T is padded to a multiple
+
+
+def splash_kernel(t, heads, window, interpret):
+  """A splash MHA/GQA kernel over [H, T, D] for one static window (NO_WINDOW = plain causal)."""
+  mask = splash.CausalMask((t, t)) if window >= t else splash.LocalMask((t, t), (window - 1, 0), 0)
+  return splash.make_splash_mha(splash.MultiHeadMask([mask] * heads), head_shards=1, q_seq_shards=1,
+                                block_sizes=splash.BlockSizes.get_default(), interpret=interpret)
+
+
+def splash_attention(q, k, v, segment_ids, window, windows, interpret):
+  """Splash attention for q [B,T,H,D], k/v [B,T,K,D]; `window` must be one of `windows`."""
+  b, t, h, d = q.shape
+  pad = -t % SPLASH_BLOCK
+  widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+  q, k, v = (jnp.moveaxis(jnp.pad(x, widths(x)), 2, 1) for x in (q * d ** -0.5, k, v))  # [B, heads, T, D]
+  seg = jnp.pad(segment_ids.astype(jnp.int32), widths(segment_ids), constant_values=-1)
+  ids = splash.SegmentIds(q=seg, kv=seg)
+  branches = [lambda w=w: jax.vmap(splash_kernel(t + pad, h, w, interpret))(q, k, v, segment_ids=ids)
+              for w in windows]
+  index = jnp.argmax(jnp.asarray(windows) == window)
+  return jnp.moveaxis(lax.switch(index, branches), 1, 2)[:, :t]
+
+
+def tpu_attention(q, k, v, segment_ids, positions, window, windows, block, interpret):
+  """pallas_tpu: splash where its masks are exact and `window` is one of `windows`, else xla_blocked."""
+  window = jnp.asarray(window, jnp.int32)
+  known = jnp.any(jnp.asarray(windows, jnp.int32) == window)
+  return lax.cond(known & index_masks_exact(segment_ids, positions, window),
+                  lambda: splash_attention(q, k, v, segment_ids, window, windows, interpret),
+                  lambda: blocked_attention(q, k, v, segment_ids, positions, window, block))
+
+
+# ----------------------------------------------------------------------------- pallas_gpu
+# jax.nn.dot_product_attention(implementation="cudnn") takes is_causal and a static
+# local_window_size but no segment ids (only per-row lengths), so it cannot mask packed
+# documents; jax's Pallas GPU kernel (ops/gpu/attention.py) masks causal + segments but has no
+# window. So full-causal layers run that kernel and windowed layers xla_blocked, picked by
+# lax.cond on the traced window (and on `index_masks_exact`).
+def pallas_gpu_causal(q, k, v, segment_ids, interpret):
+  """jax's Pallas GPU flash attention, causal with segment ids; K/V heads repeated to H."""
+  b, t, h, d = q.shape
+  pad = -t % 128  # its forward block
+  widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+  k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+  q, k, v = (jnp.pad(x, widths(x)) for x in (q, k, v))
+  seg = jnp.pad(segment_ids.astype(jnp.int32), widths(segment_ids), constant_values=-1)
+  out = pallas_gpu.mha(q, k, v, seg, sm_scale=d ** -0.5, causal=True, interpret=interpret)
+  return out[:, :t]
+
+
+def gpu_attention(q, k, v, segment_ids, positions, window, block, interpret):
+  """pallas_gpu: the Pallas kernel for full-causal layers, xla_blocked for windowed ones."""
+  window = jnp.asarray(window, jnp.int32)
+  return lax.cond((window >= T.NO_WINDOW) & index_masks_exact(segment_ids, positions, window),
+                  lambda: pallas_gpu_causal(q, k, v, segment_ids, interpret),
+                  lambda: blocked_attention(q, k, v, segment_ids, positions, window, block))
+
+
+# ----------------------------------------------------------------------------------- public
+AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # beyond one block; xla_blocked elsewhere
+
+
+def resolve(impl, seq_len, block=BLOCK, backend=None):
+  """The implementation `impl` names; "auto": dense up to one block, then by backend (AUTO)."""
+  if impl not in IMPLS:
+    raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
+  if impl == "auto":
+    return "dense" if seq_len <= block else AUTO.get(backend or kernel_backend(), "xla_blocked")
+  return impl
+
+
+def attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK, windows=(T.NO_WINDOW,)):
+  """Causal, windowed, document-masked GQA: q [B,T,H,D], k/v [B,T,K,D] -> [B,T,H,D].
+
+  `windows` (pallas_tpu only): the static sizes the traced `window` can take.
+  """
+  if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
+    raise ValueError(f"attention: q must be [B,T,H,D] and k, v [B,T,K,D] with K dividing H, "
+                     f"got q {q.shape}, k {k.shape}, v {v.shape}")
+  impl = resolve(impl, q.shape[1], block)
+  if impl == "dense":
+    return dense_attention(q, k, v, segment_ids, positions, window)
+  # The Pallas kernels run on each device's own rows: a Mosaic or Triton call is not partitioned
+  # by XLA. Compiled on their backend; interpreting is the only way they run elsewhere.
+  if impl == "pallas_tpu":
+    kernel = lambda rows, w: tpu_attention(*rows, w, windows, block, kernel_backend() != "tpu")
+    return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
+  if impl == "pallas_gpu":
+    kernel = lambda rows, w: gpu_attention(*rows, w, block, kernel_backend() != "gpu")
+    return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
+  return blocked_attention(q, k, v, segment_ids, positions, window, block)
