@@ -47,7 +47,7 @@ def train(cfg, workdir, allow_data_change=False):
 
 def run(cfg, workdir, allow_data_change, started):
   mesh = sharding.make_mesh(cfg.mesh)
-  sharding.check_batch(cfg.data.batch_size, mesh)
+  sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
   source = None
   if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from
     resume.check_saved_config(workdir, cfg, allow_data_change)
