@@ -12,7 +12,7 @@ from latent_jax.ops import transformer as T
 
 EMPTY_SLOT = 2**30  # the position of a cache slot not written yet
 
-# model.remat -> what the backward pass keeps of a block (docs/performance.md, "Remat"). A scan
+# model.remat -> what the backward pass keeps of a block (docs/performance.md, "Memory"). A scan
 # keeps each checkpointed body's input, the block input, so "full" recomputes every block from it.
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}

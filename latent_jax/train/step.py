@@ -85,8 +85,8 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
     # used: jit drops its forward pass.
     _, whole = objective(nnx.merge(graphdef, state["params"]), batch, cfg)
     counts = whole["counts"]
-    zeros = (jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state["params"]),
-             jax.tree.map(jnp.zeros_like, whole))
+    zero = lambda p, where: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), where)
+    zeros = (jax.tree.map(zero, state["params"], shardings["params"]), jax.tree.map(jnp.zeros_like, whole))
     (grads, metrics), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, k, mesh))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
