@@ -15,9 +15,11 @@ from flax import nnx
 
 from latent_jax import load_config
 from latent_jax.nn import concept
+from latent_jax.nn.layers import remat
 
 
 def plain_scan(body, x, history, layers, consts):
+  body = remat(body, "full")  # what the stack would do without history_scan
   (x, _), (outs, _) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history), layers)
   return x, outs
 
@@ -25,7 +27,7 @@ def plain_scan(body, x, history, layers, consts):
 def scratch_mib(num_layers, a, irc=True, scan=None):
   cfg = load_config("configs/tiny_ncp.py", [f"model.d_model={a.d}", "model.num_heads=4", "model.num_kv_heads=2",
                                              f"model.head_dim={a.d // 4}", f"model.mlp_dim={2 * a.d}",
-                                             f"model.irc={irc}", "model.remat=True"]).model
+                                             f"model.irc={irc}", "model.remat=full"]).model
   graphdef, state = nnx.split(concept.ResidualStack(cfg, num_layers, (), nnx.Rngs(0)))
   x = jnp.ones((a.batch, a.seq, a.d))
   positions = jnp.broadcast_to(jnp.arange(a.seq), (a.batch, a.seq))

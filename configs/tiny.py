@@ -24,7 +24,7 @@ def get_config():
   c.model.init_std = 0.02
   c.model.param_dtype = "float32"      # float32 | bfloat16
   c.model.dtype = "float32"            # compute dtype
-  c.model.remat = False                # rematerialise each block in the backward pass
+  c.model.remat = "none"               # none | full (recompute each block) | matmuls (keep matmul outputs)
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "kjv"                # kjv | shakespeare | a path, glob or comma list of .txt/.jsonl files or folders
@@ -37,6 +37,7 @@ def get_config():
   c.train = ml_collections.ConfigDict()
   c.train.steps = 600
   c.train.seed = 0
+  c.train.microbatches = 1             # split each batch's rows into this many, one gradient update
   c.train.z_loss = 0.0                 # weight of lse^2
   c.train.log_every = 25
   c.train.eval_every = 200

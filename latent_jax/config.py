@@ -14,6 +14,7 @@ import ml_collections
 
 KERNEL_IMPLS = ("auto", "pallas", "pallas_interpret", "xla", "naive")
 DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "matmuls")  # latent_jax.nn.layers.REMAT_POLICIES, and "none"
 
 
 class ConfigError(ValueError):
@@ -111,12 +112,17 @@ def validate(cfg):
   check_choice(m.block_order, "model.block_order", ("post", "pre"))
   check_choice(m.param_dtype, "model.param_dtype", DTYPES)
   check_choice(m.dtype, "model.dtype", DTYPES)
+  check_choice(m.remat, "model.remat", REMAT)
   check(m.window >= 0, "model.window", "must be >= 0 (0 = no sliding window).")
   check(m.full_attention_every >= 1, "model.full_attention_every", "must be >= 1 (1 = every layer full).")
   check(m.rope_base > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_base/norm_eps/init_std", "must be > 0.")
 
   check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}.")
   check(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}.")
+  k = t.microbatches
+  check(isinstance(k, int) and k >= 1, "train.microbatches", f"must be a positive integer, got {k!r}.")
+  check(d.batch_size % k == 0, "train.microbatches",
+        f"{k} does not divide data.batch_size={d.batch_size}; pick a divisor of it.")
   check(0 < d.val_fraction < 1, "data.val_fraction", f"must lie in (0, 1), got {d.val_fraction}.")
   check(isinstance(d.source, str) and d.source.strip() != "", "data.source",
         "is empty; use 'kjv' or a path to .txt/.jsonl files.")

@@ -3,6 +3,12 @@
 `loss` in the metrics is always the per-token next-token cross-entropy (the LM loss), so runs
 with and without auxiliary terms compare on the same number. (TST phase 1 trains on bags, so
 its `loss` is the multi-hot bag CE; `val_loss` is per-token NTP in every phase.)
+
+Every term is a mean over what it scores (tokens, positions, concept pairs, concepts, bags), kept
+as a sum and a count until `combine` divides. Each count depends on the batch only, so a train
+step over microbatches divides every microbatch's sums by the whole batch's counts: the loss and
+gradients of k microbatches are those of the batch (train/step.py). No term is a statistic of the
+batch as a whole; the codebook usage metrics come from a code histogram, which adds up too.
 """
 import jax.numpy as jnp
 
@@ -25,76 +31,82 @@ def token_cross_entropy(hidden, head_weight, targets, impl):
   return loss.reshape(b, t), lse.reshape(b, t)
 
 
-def masked_mean(x, mask):
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1)
+def term(values, mask, weight=1.0):
+  """A loss term, the mean of `values` over the positions `mask` marks: (their sum, their count, weight)."""
+  mask = mask.astype(jnp.float32)
+  return jnp.sum(values.astype(jnp.float32) * mask), jnp.sum(mask), weight
 
 
-def z_loss(lse, mask):
-  """z-loss: mean of log(Z)^2 over scored tokens (keeps the softmax normaliser near 1)."""
-  return masked_mean(jnp.square(lse), mask)
+def combine(terms, counts=None):
+  """(total loss, metrics) of terms {name: (sum, count, weight)}: each term is its sum over its count,
+  the total their weighted sum. `counts` ({name: count}) divides instead: under microbatching the
+  whole batch's, so that the microbatches' terms, total and gradients add up to the batch's.
+  metrics["counts"] holds the terms' own counts."""
+  own = {name: count for name, (_, count, _) in terms.items()}
+  counts = own if counts is None else counts
+  metrics = {name: total / jnp.maximum(counts[name], 1) for name, (total, _, _) in terms.items()}
+  metrics["total_loss"] = sum(weight * metrics[name] for name, (_, _, weight) in terms.items())
+  return metrics["total_loss"], {**metrics, "counts": own}
+
+
+def step_metrics(metrics):
+  """What a train step logs of an objective's metrics (summed over microbatches): the counts dropped,
+  the code histogram turned into codebook usage."""
+  metrics = {k: v for k, v in metrics.items() if k != "counts"}
+  if "code_histogram" in metrics:
+    metrics.update(C.codebook_usage(metrics.pop("code_histogram")))
+  return metrics
 
 
 def ntp_terms(model, out, batch, cfg):
-  """NTP (+ z-loss) of a forward pass `out`. Returns (loss so far, metrics dict)."""
-  mask = (batch["targets"] >= 0).astype(jnp.float32)
+  """NTP (+ z-loss: log(Z)^2, which keeps the softmax normaliser near 1) of a forward pass `out`, as terms."""
+  mask = batch["targets"] >= 0
   ce, lse = token_cross_entropy(out.hidden, model.head_weight().astype(out.hidden.dtype),
                                 batch["targets"], cfg.kernels.impl)
-  loss = masked_mean(ce, mask)
-  metrics = {"loss": loss}
-  total = loss
+  terms = {"loss": term(ce, mask)}
   if cfg.train.z_loss:
-    metrics["z_loss"] = z_loss(lse, mask)
-    total = total + cfg.train.z_loss * metrics["z_loss"]
-  return total, metrics
+    terms["z_loss"] = term(jnp.square(lse), mask, cfg.train.z_loss)
+  return terms
 
 
 def auxiliary_terms(model, out, batch, cfg, mtp=True):
-  """NITP and MTP terms of a forward pass `out` (docs/aux.md), for either model.
+  """NITP and MTP terms of a forward pass `out` (docs/aux.md), for either model: `nitp_loss`, `mtp_loss`.
 
-  Returns (their weighted sum, metrics with `nitp_loss` / `mtp_loss`); (0, {}) when both are off.
-  `mtp=False` leaves MTP out (TST's bag phase, where it has no meaning).
+  {} when both are off; `mtp=False` leaves MTP out (TST's bag phase, where it has no meaning).
   """
-  total, metrics = 0.0, {}
+  terms = {}
   if nitp_enabled(cfg):  # L_NITP = 1 - cos(P(h_t), sg(z_{t+1})), z = state after layer k
     n = cfg.nitp
     h = out.hidden if n.source == "final_norm" else out.aux["pre_norm"]
     pred = model.nitp_projector(h) if n.projector else h
-    mask = A.nitp_mask(batch["targets"], batch["segment_ids"], n.alignment)
-    metrics["nitp_loss"] = A.nitp_loss(pred, out.aux["nitp_target_state"], mask, n.loss, n.alignment,
-                                       n.stop_gradient)
-    total = total + n.weight * metrics["nitp_loss"]
+    error = A.nitp_error(pred, out.aux["nitp_target_state"], n.loss, n.alignment, n.stop_gradient)
+    terms["nitp_loss"] = term(error, A.nitp_mask(batch["targets"], batch["segment_ids"], n.alignment), n.weight)
   if mtp and mtp_enabled(cfg):  # CE of x_{t+2} from MTPBlock(h_t, Emb(x_{t+1})) through the shared LM head
     hidden = model.mtp(out.aux["pre_norm"], model.embed_tokens(A.next_tokens(batch["inputs"])),
                        batch["positions"], batch["segment_ids"])
     labels = A.mtp_targets(batch["targets"], batch["segment_ids"])
     ce, _ = token_cross_entropy(hidden, model.head_weight().astype(hidden.dtype), labels, cfg.kernels.impl)
-    metrics["mtp_loss"] = masked_mean(ce, (labels >= 0).astype(jnp.float32))
-    total = total + cfg.mtp.weight * metrics["mtp_loss"]
-  return total, metrics
+    terms["mtp_loss"] = term(ce, labels >= 0, cfg.mtp.weight)
+  return terms
 
 
-def lm_objective(model, batch, cfg):
-  """NTP (+ z-loss, NITP, MTP) for the baseline. Returns (total loss, metrics dict)."""
+def lm_objective(model, batch, cfg, counts=None):
+  """NTP (+ z-loss, NITP, MTP) for the baseline. Returns (total loss, metrics dict); `counts`: see `combine`."""
   out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
-  total, metrics = ntp_terms(model, out, batch, cfg)
-  aux_total, aux_metrics = auxiliary_terms(model, out, batch, cfg)
-  metrics.update(aux_metrics)
-  metrics["total_loss"] = total + aux_total
-  return metrics["total_loss"], metrics
+  return combine({**ntp_terms(model, out, batch, cfg), **auxiliary_terms(model, out, batch, cfg)}, counts)
 
 
-def ncp_objective(model, batch, cfg):
+def ncp_objective(model, batch, cfg, counts=None):
   """NCP-ArchPreview Eq. 24: L_NTP + alpha L_NCP + beta L_VQ (+ z-loss, NITP, MTP), each term logged on its own."""
   out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False, **model_kwargs(cfg))
-  total, metrics = ntp_terms(model, out, batch, cfg)
   a, m, n = out.aux, cfg.model, cfg.ncp
-  metrics["ncp_loss"] = C.ncp_loss(a["predicted"], a["concepts"], m.num_segments, n.reduction, a["ncp_mask"])
-  metrics["vq_loss"] = C.vq_loss(a["concepts"], a["quantized"], m.num_segments, n.reduction)
-  metrics.update(C.codebook_usage(a["codes"], m.codebook_size))
-  aux_total, aux_metrics = auxiliary_terms(model, out, batch, cfg)
-  metrics.update(aux_metrics)
-  total = total + n.alpha * metrics["ncp_loss"] + n.beta * metrics["vq_loss"] + aux_total
-  metrics["total_loss"] = total
+  terms = ntp_terms(model, out, batch, cfg)
+  terms["ncp_loss"] = term(C.ncp_errors(a["predicted"], a["concepts"], m.num_segments, n.reduction),
+                           a["ncp_mask"], n.alpha)
+  terms["vq_loss"] = term(C.vq_errors(a["concepts"], a["quantized"], m.num_segments, n.reduction),
+                          jnp.ones(a["codes"].shape[:-1]), n.beta)
+  total, metrics = combine({**terms, **auxiliary_terms(model, out, batch, cfg)}, counts)
+  metrics["code_histogram"] = C.code_histogram(a["codes"], m.codebook_size)  # `step_metrics` logs its usage
   return total, metrics
 
 
@@ -103,7 +115,7 @@ def model_kwargs(cfg):
   return {"impl": cfg.kernels.impl} if cfg.model.name == "concept" else {}
 
 
-def tst_objective(model, batch, cfg):
+def tst_objective(model, batch, cfg, counts=None):
   """TST phase 1: superposed bags in, multi-hot CE on the next bag out (docs/tst.md).
 
   The batch holds rows of L*s tokens (L bags). `cfg.tst.superpose` picks the ablation:
@@ -126,16 +138,11 @@ def tst_objective(model, batch, cfg):
     aux_batch = batch
   ce, lse = sup.multihot_cross_entropy(out.hidden, model.head_weight().astype(out.hidden.dtype), labels,
                                        cfg.kernels.impl, return_lse=True)
-  mask = jnp.any(labels >= 0, axis=-1).astype(jnp.float32)
-  metrics = {"loss": masked_mean(ce, mask)}
-  total = metrics["loss"]
+  mask = jnp.any(labels >= 0, axis=-1)
+  terms = {"loss": term(ce, mask)}
   if cfg.train.z_loss:
-    metrics["z_loss"] = z_loss(lse, mask)
-    total = total + cfg.train.z_loss * metrics["z_loss"]
-  aux_total, aux_metrics = auxiliary_terms(model, out, aux_batch, cfg, mtp=aux_batch is batch)
-  metrics.update(aux_metrics)
-  metrics["total_loss"] = total + aux_total
-  return metrics["total_loss"], metrics
+    terms["z_loss"] = term(jnp.square(lse), mask, cfg.train.z_loss)
+  return combine({**terms, **auxiliary_terms(model, out, aux_batch, cfg, mtp=aux_batch is batch)}, counts)
 
 
 def eval_sums(model, batch, cfg):

@@ -45,3 +45,22 @@ def corpus_dir(tmp_path_factory):
     sentences = [" ".join(rng.choice(words, size=rng.integers(4, 10))).capitalize() + "." for _ in range(8)]
     (root / f"doc{i:03d}.txt").write_text(" ".join(sentences) + "\n")
   return str(root)
+
+
+def ragged_batch(rows, length, vocab, seed=0):
+  """A batch of packed rows whose scored targets differ in number: each row holds one to three
+  documents (positions restart, segment ids change) and ends in 0 to length/2 padding positions
+  (segment 0, target -1), odd rows more of it, so that equal splits of the rows score unequal counts."""
+  import jax.numpy as jnp
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, vocab, size=(rows, length + 1))
+  targets, seg, pos = tokens[:, 1:].copy(), np.zeros((rows, length), int), np.zeros((rows, length), int)
+  for i in range(rows):
+    real = length - rng.integers(0, length // 4) - (length // 4) * (i % 2)
+    cuts = np.sort(rng.choice(np.arange(2, real - 1), size=rng.integers(0, 3), replace=False))
+    for doc, (start, end) in enumerate(zip([0, *cuts], [*cuts, real])):
+      seg[i, start:end], pos[i, start:end] = doc + 1, np.arange(end - start)
+    targets[i, real - 1:] = -1  # the row's last real token has no next token in the row; padding none
+  as_int = lambda x: jnp.asarray(x, jnp.int32)
+  return {"inputs": as_int(tokens[:, :-1]), "targets": as_int(targets), "segment_ids": as_int(seg),
+          "positions": as_int(pos)}

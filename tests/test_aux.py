@@ -17,7 +17,8 @@ import numpy_ref as ref
 from conftest import ROOT, TINY, TINY_OVERRIDES
 from latent_jax import ConfigError, build_model, load_config
 from latent_jax.config import nitp_layer, validate
-from latent_jax.objectives import auxiliary_terms, lm_objective, model_kwargs, ncp_objective, ntp_terms
+from latent_jax.objectives import (auxiliary_terms, combine, lm_objective, model_kwargs, ncp_objective, ntp_terms,
+                                   step_metrics)
 from latent_jax.ops import auxiliary as A
 from latent_jax.train import flops
 
@@ -199,7 +200,7 @@ def test_model_terms_match_numpy(aux_model, aux_ref):
   want_mtp = ref_ce(y @ p["lm_head"], labels)
   assert abs(ref_ce(mtp_out(hidden) @ p["lm_head"], labels) - want_mtp) > 1e-3  # the two readings differ
   np.testing.assert_allclose(metrics["mtp_loss"], want_mtp, rtol=1e-4)  # the objective's wiring
-  m = {k: float(v) for k, v in metrics.items()}  # pytest.approx takes Python or NumPy numbers, never jax Arrays
+  m = {k: float(v) for k, v in step_metrics(metrics).items()}  # pytest.approx takes Python or NumPy numbers, never jax Arrays
   assert m["total_loss"] == pytest.approx(m["loss"] + 0.7 * m["nitp_loss"] + 0.5 * m["mtp_loss"], rel=1e-6)
 
 
@@ -240,7 +241,7 @@ def test_stop_gradient_keeps_nitp_off_the_target_path():
     model, out, pred = forward(p)
     z = out.aux["nitp_target_state"]
     return jnp.stack([A.nitp_loss(pred, z, mask), A.nitp_loss(pred, z, mask, stop_gradient=False),
-                      A.nitp_loss(pred, const, mask, stop_gradient=False), ntp_terms(model, out, batch, cfg)[0],
+                      A.nitp_loss(pred, const, mask, stop_gradient=False), combine(ntp_terms(model, out, batch, cfg))[0],
                       *(lm_objective(nnx.merge(graphdef, p), batch, c)[1]["nitp_loss"] for c in configured)])
 
   grad = jax.jit(jax.grad(lambda p, w: jnp.dot(w, losses(p))))
@@ -279,7 +280,7 @@ def test_ablation_switches_reach_the_loss(aux_model, aux_ref):
   def run(params):
     model = nnx.merge(graphdef, params)
     out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
-    return jnp.stack([auxiliary_terms(model, out, batch, c, mtp=False)[1]["nitp_loss"] for c in cfgs])
+    return jnp.stack([combine(auxiliary_terms(model, out, batch, c, mtp=False))[1]["nitp_loss"] for c in cfgs])
   got = run(params)
   m, proj = cfg.model, p["nitp_projector"]
   targets, seg = np.asarray(batch["targets"]), np.asarray(batch["segment_ids"])
@@ -321,7 +322,7 @@ def test_export_drops_the_heads_and_generates_the_same(tmp_path, corpus_dir):
 
 
 CONCEPT_MODEL = ["model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=2",
-                 "model.concept_layers=1", "model.decoder_layers=1", "model.remat=True"]  # remat: faster compile
+                 "model.concept_layers=1", "model.decoder_layers=1", "model.remat=full"]  # remat: faster compile
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +354,7 @@ def concept_aux():
     out = forward()
     model.nitp_layer = 1
     out1 = forward()
-    nitp1 = auxiliary_terms(model, out1, batch, cfg, mtp=False)[1]["nitp_loss"]
+    nitp1 = combine(auxiliary_terms(model, out1, batch, cfg, mtp=False))[1]["nitp_loss"]
     plain = ncp_objective(nnx.merge(plain_graphdef, plain_params), batch, plain_cfg)[1]
     return (metrics, grads), {"hidden": out.hidden, "z2": out.aux["nitp_target_state"],
                               "z1": out1.aux["nitp_target_state"], "nitp1": nitp1}, plain
@@ -365,7 +366,7 @@ def test_concept_lm_train_step_with_nitp_and_mtp(concept_aux):
   """One gradient step of ncp_objective with both terms: every term logged, the total their
   weighted sum, gradients finite and reaching both heads."""
   cfg, _, _, ((r, grads), _, _) = concept_aux
-  n, r = cfg.ncp, {k: float(v) for k, v in r.items()}  # pytest.approx takes no jax Arrays
+  n, r = cfg.ncp, {k: float(v) for k, v in step_metrics(r).items()}  # pytest.approx takes no jax Arrays
   assert r["total_loss"] == pytest.approx(r["loss"] + n.alpha * r["ncp_loss"] + n.beta * r["vq_loss"]
                                           + r["nitp_loss"] + 0.3 * r["mtp_loss"], rel=1e-5)
   assert 0 < r["nitp_loss"] < 2 and 0 < r["mtp_loss"] < 10

@@ -1,4 +1,4 @@
-"""Baseline model: causality, document masking, KV-cache decoding, remat and dtype options."""
+"""Baseline model: causality, document masking, KV-cache decoding and dtype options (remat: tests/test_remat.py)."""
 import math
 import os
 
@@ -68,19 +68,6 @@ def test_kv_cache_decoding_matches_full_forward(tiny_cfg):
     steps.append(out.logits)
     cache = out.cache
   np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-4, atol=1e-4)
-
-
-def test_remat_gives_same_grads(tiny_cfg):
-  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 320, size=(2, 16)))
-
-  def grads(remat):
-    tiny_cfg.model.remat = remat
-    graphdef, params = nnx.split(make(tiny_cfg))
-    loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens).logits ** 2)
-    return jax.jit(jax.grad(loss))(params)
-
-  for a, b in zip(jax.tree.leaves(grads(False)), jax.tree.leaves(grads(True))):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_and_tied_embeddings(tiny_cfg):

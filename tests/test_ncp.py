@@ -13,7 +13,7 @@ import ncp_ref
 from conftest import ROOT, TINY_OVERRIDES
 from latent_jax import ConfigError, build_model, load_config
 from latent_jax.config import validate
-from latent_jax.objectives import ntp_terms
+from latent_jax.objectives import combine, ntp_terms
 from latent_jax.ops import concepts as C
 from latent_jax.train import flops
 
@@ -134,11 +134,11 @@ def test_intra_module_residual(softmax):
 
 @pytest.mark.parametrize("softmax,docs", [(False, False), (True, True)])
 def test_history_scan_gradients_equal_the_plain_scan(softmax, docs, monkeypatch):
-  """The IRC stack's O(L)-memory backward (nn.concept.history_scan, used under model.remat) against
-  autodiff of a plain jax.lax.scan: gradients of params, input and CRC sources, 3 layers, one
+  """The IRC stack's O(L)-memory backward (nn.concept.history_scan, under every model.remat but "none")
+  against autodiff of a plain jax.lax.scan: gradients of params, input and CRC sources, 3 layers, one
   route of 2 depths; IRC softmax and two documents per row in the second case."""
   from latent_jax.nn import concept
-  cfg = small_cfg("model.remat=True", f"model.irc_softmax={softmax}").model
+  cfg = small_cfg("model.remat=full", f"model.irc_softmax={softmax}").model
   graphdef, state = nnx.split(concept.ResidualStack(cfg, 3, (2,), nnx.Rngs(0)))
   r = np.random.default_rng(0)
   state = jax.tree.map(lambda a: jnp.asarray(r.normal(size=a.shape) * 0.3 + (a.ndim == 1), a.dtype), state)
@@ -178,7 +178,7 @@ def test_cross_module_residual():
 def test_codebook_usage():
   codes = rng.integers(0, 6, size=(2, 7, 3))
   codes[..., 1] = np.minimum(codes[..., 1], 2)  # one segment uses at most 3 codes
-  got = C.codebook_usage(jnp.asarray(codes), 8)
+  got = C.codebook_usage(C.code_histogram(jnp.asarray(codes), 8))
   counts = np.stack([np.bincount(codes[..., s].ravel(), minlength=8) for s in range(3)])
   p = counts / counts.sum(-1, keepdims=True)
   ppl = np.exp(-np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1))
@@ -320,7 +320,7 @@ def test_gradient_paths():
   """VQ reaches only the codebook; NCP reaches embed, encoder, concept module, heads and codebook
   (not the decoder: its target is sg(c)); NTP reaches every parameter."""
   # Two source depths per route (alpha is not constant); remat halves this test's compile time.
-  cfg = small_cfg("model.decoder_layers=1", "model.remat=True")
+  cfg = small_cfg("model.decoder_layers=1", "model.remat=full")
   graphdef, _ = abstract_state(cfg.model)
   params = random_params(cfg.model)
   tokens = jnp.asarray(rng.integers(0, 64, size=(2, 13)))
@@ -334,7 +334,7 @@ def test_gradient_paths():
     a = out.aux
     return jnp.stack([C.vq_loss(a["concepts"], a["quantized"], m.num_segments),
                       C.ncp_loss(a["predicted"], a["concepts"], m.num_segments, mask=a["ncp_mask"]),
-                      ntp_terms(model, out, batch, cfg)[0]])
+                      combine(ntp_terms(model, out, batch, cfg))[0]])
 
   # One compiled gradient of w . losses, run once per one-hot w (cheaper to compile than jacrev).
   grad = jax.jit(jax.grad(lambda p, w: jnp.dot(w, losses(p))))

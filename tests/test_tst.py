@@ -158,7 +158,7 @@ def test_phase1_rows_of_l_times_s_tokens_give_l_positions():
   objective = lambda p, b: objectives.tst_objective(Spy(nnx.merge(graphdef, p)), b, cfg)
   loss, metrics = jax.eval_shape(objective, nnx.to_pure_dict(params), batch)  # traces, runs nothing
   assert calls == [((2, 32, cfg.model.d_model), (2, 32), (2, 32))]
-  assert loss.shape == () and set(metrics) == {"loss", "total_loss"}
+  assert loss.shape == () and set(metrics) == {"loss", "total_loss", "counts"}
 
 
 def np_next_tokens(targets, s):

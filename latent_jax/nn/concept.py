@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.nn.baseline import ModelOutput, default_positions
-from latent_jax.nn.layers import TOKENS, RMSNorm, kv_cache, param, stacked_blocks
+from latent_jax.nn.layers import TOKENS, RMSNorm, kv_cache, param, remat, stacked_blocks
 from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
 from latent_jax.train.sharding import constrain, per_batch_shard
@@ -91,14 +91,15 @@ class ResidualStack(nnx.Module):
       x = C.intra_module_residual(history, out - x, *layer["irc"], latest, self.irc_softmax)
       return (constrain(x, TOKENS), history), (out, layer_cache)
 
-    if self.remat:
-      body = jax.checkpoint(body, prevent_cse=False)
     consts, history = (normed, positions, segment_ids), None
     if self.irc:  # slot 0 of the history is the module input H_1, slot l+1 the output of layer l
       history = constrain(jnp.zeros((self.num_layers + 1, *x.shape), x.dtype).at[0].set(x), TOKENS)
-    if self.irc and self.remat and cache is None:  # recompute rather than store: O(L) states, not O(L^2)
+    if self.irc and self.remat != "none" and cache is None:
+      # Recompute rather than store: O(L) states, not O(L^2). history_scan keeps each layer's input
+      # and recomputes the whole layer, so under IRC "matmuls" recomputes as much as "full".
       x, outs = history_scan(body, x, history, layers, consts)
       return x, outs, None
+    body = remat(body, self.remat)
     (x, _), (outs, cache) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history), layers)
     return x, outs, cache
 

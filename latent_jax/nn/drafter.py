@@ -25,7 +25,7 @@ CONCEPT_SIGNALS = ("none", "predicted", "pooled")
 def drafter_model_config(target_cfg, num_layers):
   """The drafter's block config: the target's blocks (width, heads, norms) at another depth, full attention."""
   cfg = target_cfg.copy_and_resolve_references()
-  cfg.num_layers, cfg.window, cfg.remat = num_layers, 0, False
+  cfg.num_layers, cfg.window, cfg.remat = num_layers, 0, "none"
   return cfg
 
 

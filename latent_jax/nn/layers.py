@@ -15,6 +15,16 @@ from latent_jax.train.sharding import constrain
 EMPTY_SLOT = 2**30  # the position of a cache slot not written yet
 TOKENS = ("batch", "length", "act_embed")  # logical axes of a [B, T, d] activation
 
+# model.remat -> what the backward pass keeps of a block (docs/performance.md, "Memory"). A scan
+# keeps each checkpointed body's input, the block input, so "full" recomputes every block from it.
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def remat(body, policy):
+  """`body` under the model.remat policy: "none" stores all its activations for the backward pass."""
+  return body if policy == "none" else jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[policy])
+
 
 def param(rngs, shape, axes, std, dtype):
   return nnx.Param(jax.random.normal(rngs.params(), shape, dtype) * std, axes=axes)
@@ -130,8 +140,8 @@ def stacked_blocks(cfg, num_layers, rngs):
 class BlockStack(nnx.Module):
   """`num_layers` blocks with stacked parameters, applied with `jax.lax.scan`.
 
-  Scanning keeps compile time flat in depth; `remat` recomputes each block in the backward
-  pass instead of storing its activations.
+  Scanning keeps compile time flat in depth; `remat` (a model.remat policy) recomputes each
+  block, or all but its matmuls, in the backward pass instead of storing its activations.
   """
 
   def __init__(self, cfg, num_layers, rngs):
@@ -151,8 +161,7 @@ class BlockStack(nnx.Module):
                                                    layer_cache, cache_index)
       return constrain(x, TOKENS), layer_cache
 
-    if self.remat:
-      body = jax.checkpoint(body, prevent_cse=False)
+    body = remat(body, self.remat)
     layers = (state, T.layer_windows(*self.windows), cache)
     if not tap:
       x, cache = jax.lax.scan(body, x, layers)

@@ -35,15 +35,20 @@ def cosine(a, b, eps=1e-8):
   return jnp.sum(a * b, -1) * jax.lax.rsqrt(jnp.maximum(jnp.sum(a * a, -1) * jnp.sum(b * b, -1), eps * eps))
 
 
-def nitp_loss(pred, shallow, mask, loss="cosine", alignment="next", stop_gradient=True):
-  """NITP: mean over masked positions of 1 - cos(P(h_t), sg(z_{t+1})), or of the per-dim squared error.
+def nitp_error(pred, shallow, loss="cosine", alignment="next", stop_gradient=True):
+  """NITP at every position: 1 - cos(P(h_t), sg(z_{t+1})), or the per-dim squared error; [B, T].
 
   pred [B, T, d] = P(h_t); shallow [B, T, d] the state after layer k at every position.
   """
   p = pred.astype(jnp.float32)
   z = nitp_target(shallow, alignment, stop_gradient).astype(jnp.float32)
-  per_position = 1 - cosine(p, z) if loss == "cosine" else jnp.mean(jnp.square(p - z), -1)
+  return 1 - cosine(p, z) if loss == "cosine" else jnp.mean(jnp.square(p - z), -1)
+
+
+def nitp_loss(pred, shallow, mask, loss="cosine", alignment="next", stop_gradient=True):
+  """NITP: the mean of `nitp_error` over the masked positions."""
   mask = mask.astype(jnp.float32)
+  per_position = nitp_error(pred, shallow, loss, alignment, stop_gradient)
   return jnp.sum(per_position * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 

@@ -180,14 +180,23 @@ def cross_module_residual(target, sources, w1, w2, scale):
 
 
 # ---------------------------------------------------------------- losses (Eq. 21-22)
-def _reduce(sq_norms, mask, num_segments, width, reduction, per_segment):
-  """Mean of per-concept squared norms, divided further by S or d as the reduction asks."""
+def _per_concept(sq_norms, num_segments, width, reduction, per_segment):
+  """Per-concept squared norms divided by S or d as the reduction asks: the losses are their mean."""
   choice(reduction, "reduction", REDUCTIONS)
-  mask = jnp.ones_like(sq_norms) if mask is None else mask.astype(jnp.float32)
-  mean = jnp.sum(sq_norms * mask) / jnp.maximum(jnp.sum(mask), 1)
   if reduction == "released":
-    return mean / width                 # elementwise mean squared error
-  return mean / num_segments if per_segment else mean
+    return sq_norms / width             # elementwise mean squared error
+  return sq_norms / num_segments if per_segment else sq_norms
+
+
+def _mean(x, mask):
+  mask = jnp.ones_like(x) if mask is None else mask.astype(jnp.float32)
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def vq_errors(concepts, quantized, num_segments, reduction="paper"):
+  """Eq. 21 per concept, 1/S sum_s ||sg(c^s_m) - d^s_m||^2: [B, M, d] x2 -> [B, M]; L_VQ is their mean."""
+  err = jnp.sum(jnp.square(sg(concepts).astype(jnp.float32) - quantized.astype(jnp.float32)), -1)
+  return _per_concept(err, num_segments, concepts.shape[-1], reduction, per_segment=True)
 
 
 def vq_loss(concepts, quantized, num_segments, reduction="paper", mask=None):
@@ -196,8 +205,13 @@ def vq_loss(concepts, quantized, num_segments, reduction="paper", mask=None):
   concepts, quantized [B, M, d]; 'released' is the elementwise mean mse(q, sg(c)); 'algorithm1'
   equals 'paper' here (Algorithm 1 differs from the paper only in the NCP term).
   """
-  err = jnp.sum(jnp.square(sg(concepts).astype(jnp.float32) - quantized.astype(jnp.float32)), -1)
-  return _reduce(err, mask, num_segments, concepts.shape[-1], reduction, per_segment=True)
+  return _mean(vq_errors(concepts, quantized, num_segments, reduction), mask)
+
+
+def ncp_errors(predicted, concepts, num_segments, reduction="paper"):
+  """Eq. 22 per pair, ||chat_{j+1} - sg(c_{j+1})||^2 (/S 'algorithm1', /d 'released'): [B, M, d] x2 -> [B, M-1]."""
+  err = jnp.sum(jnp.square(predicted[:, :-1].astype(jnp.float32) - sg(concepts[:, 1:]).astype(jnp.float32)), -1)
+  return _per_concept(err, num_segments, concepts.shape[-1], reduction, per_segment=reduction == "algorithm1")
 
 
 def ncp_loss(predicted, concepts, num_segments, reduction="paper", mask=None):
@@ -206,15 +220,18 @@ def ncp_loss(predicted, concepts, num_segments, reduction="paper", mask=None):
   predicted, concepts [B, M, d]; mask [B, M-1] keeps the pairs (j, j+1) to score. 'paper' is
   Eq. 22 as written, 'algorithm1' divides by S again, 'released' is the elementwise mean.
   """
-  err = jnp.sum(jnp.square(predicted[:, :-1].astype(jnp.float32) - sg(concepts[:, 1:]).astype(jnp.float32)), -1)
-  return _reduce(err, mask, num_segments, concepts.shape[-1], reduction, per_segment=reduction == "algorithm1")
+  return _mean(ncp_errors(predicted, concepts, num_segments, reduction), mask)
 
 
-def codebook_usage(codes, codebook_size):
-  """Codebook health in a batch, averaged over segments: fraction of codes used, perplexity exp(H) of
-  the code histogram, unused (dead) codes; and the least-used segment's fraction (one segment can
-  collapse while the mean looks healthy)."""
-  counts = jax.nn.one_hot(codes.reshape(-1, codes.shape[-1]), codebook_size, dtype=jnp.float32).sum(0)  # [S, N]
+def code_histogram(codes, codebook_size):
+  """How often each code is chosen, per segment: codes [..., S] -> counts [S, N] (adds up over batches)."""
+  return jax.nn.one_hot(codes.reshape(-1, codes.shape[-1]), codebook_size, dtype=jnp.float32).sum(0)
+
+
+def codebook_usage(counts):
+  """Codebook health from a code histogram [S, N], averaged over segments: fraction of codes used,
+  perplexity exp(H) of the histogram, unused (dead) codes; and the least-used segment's fraction
+  (one segment can collapse while the mean looks healthy)."""
   p = counts / jnp.maximum(counts.sum(-1, keepdims=True), 1)
   entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1)), 0), -1)
   used = jnp.mean(counts > 0, -1)  # [S]

@@ -130,4 +130,7 @@ def config_to_json(cfg):
 
 
 def config_from_json(obj):
+  model = obj.get("model", {})
+  if isinstance(model.get("remat"), bool):  # saved before model.remat named a policy
+    obj = {**obj, "model": {**model, "remat": "full" if model["remat"] else "none"}}
   return ml_collections.ConfigDict(obj)

@@ -11,8 +11,8 @@ Changes to a resumed run's config fall in three kinds:
   data          the batches would change under a restored iterator position: data.source,
                 data.batch_size, data.seq_len (any data.* field) and train.seed; refused unless
                 the train CLI is given --allow_data_change;
-  anything else (lr, schedule, train.steps, logging, mesh, kernels, loss weights) is taken, and
-                printed.
+  anything else (lr, schedule, train.steps, train.microbatches, logging, mesh, kernels, loss
+                weights) is taken, and printed.
 """
 import os
 

@@ -120,15 +120,25 @@ def batch_sharding(mesh):
   return NamedSharding(mesh, P(RULES["batch"]))
 
 
+def microbatch_sharding(mesh):
+  """A batch split into microbatches [k, B/k, ...]: each microbatch's rows spread as a batch's."""
+  return NamedSharding(mesh, P(None, RULES["batch"]))
+
+
 def replicated(mesh):
   return NamedSharding(mesh, P())
 
 
-def check_batch(batch_size, mesh):
+def check_batch(batch_size, mesh, microbatches):
+  """Each of the train.microbatches splits of a batch must divide over the data*fsdp mesh shards."""
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   if batch_size % shards:
     raise ConfigError(f"data.batch_size={batch_size} does not divide over data*fsdp={shards} mesh shards; "
                       f"use a multiple of {shards}.")
+  if batch_size % (microbatches * shards):
+    raise ConfigError(f"data.batch_size={batch_size} in train.microbatches={microbatches} microbatches of "
+                      f"{batch_size // microbatches} rows does not divide over data*fsdp={shards} mesh shards; "
+                      f"use a batch size that is a multiple of {microbatches * shards}, or fewer microbatches.")
 
 
 def global_batch(local, mesh):

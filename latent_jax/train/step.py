@@ -78,23 +78,47 @@ def batch_shapes(batch_size, seq_len, mesh):
 
 
 def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_objective):
+  """The jitted step: gradients of `objective` summed over cfg.train.microbatches splits of the batch's
+  rows (one after another, so activations take the memory of one), then one optimiser update."""
   trains = trainable_mask(shardings["params"], cfg.optim.get("trainable", "all"))
+  k = cfg.train.microbatches
 
   def train_step(state, batch):
-    def loss_fn(params):
+    def loss_fn(params, microbatch, counts):
       # Parameters outside optim.trainable are constants here, so XLA computes no weight
       # gradients for them (activation gradients still flow through them).
       params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, trains)
-      return objective(nnx.merge(graphdef, params), batch, cfg)
+      return objective(nnx.merge(graphdef, params), microbatch, cfg, counts)
+
+    def accumulate(summed, microbatch):
+      (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], microbatch, counts)
+      return jax.tree.map(lambda a, b: a + b.astype(a.dtype), summed, (grads, metrics)), None
+
+    # Each microbatch divides its loss terms by the whole batch's counts (objectives.combine), so
+    # their sum is the batch's loss. Only the counts (data alone) and shapes of this call are
+    # used: jit drops its forward pass.
     with sharding.use_mesh(mesh):  # activations shard like the batch (sharding.constrain)
-      (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+      _, whole = objective(nnx.merge(graphdef, state["params"]), batch, cfg)
+      counts = whole["counts"]
+      zero = lambda p, where: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), where)
+      zeros = (jax.tree.map(zero, state["params"], shardings["params"]), jax.tree.map(jnp.zeros_like, whole))
+      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, k, mesh))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    metrics = objectives.step_metrics(metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
   return jax.jit(train_step, in_shardings=(shardings, sharding.batch_sharding(mesh)),
                  out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+
+
+def split_microbatches(batch, k, mesh):
+  """Rows [B, ...] -> k microbatches [k, B/k, ...]; microbatch i holds rows i, i+k, i+2k, ..., so that
+  every device's rows split evenly over the k and no row moves (sharding.check_batch)."""
+  split = lambda x: jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+  return jax.lax.with_sharding_constraint(jax.tree.map(split, batch), sharding.microbatch_sharding(mesh))
 
 
 def make_eval_step(graphdef, cfg, param_shardings, mesh):

@@ -1,0 +1,68 @@
+"""Train-step memory and time under each model.remat policy and train.microbatches, as ratios to
+remat="none" with one microbatch, all measured in one process.
+
+  python -m benchmarks.remat_microbatches --config configs/tiny.py [--config.a.b=v ...] [--steps=3]
+
+Random token batches, the real jitted train step. Memory is XLA's temp allocation of the compiled
+step (activations, gradients and scratch; parameters and optimiser state are arguments, not
+temp); time is the median of `steps` timed steps. Prints one JSON line per setting.
+"""
+import json
+import time
+
+import jax
+import numpy as np
+
+from latent_jax import cli, load_config, objectives
+from latent_jax.train import sharding
+from latent_jax.train import step as steps
+from latent_jax.train.optim import build_optimizer
+
+FLAGS = [cli.CONFIG, cli.Flag("steps", int, 3, "timed steps per setting", lambda n: n >= 1, ">= 1")]
+SETTINGS = [(policy, k) for k in (1, 2, 4) for policy in ("none", "full", "matmuls")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    base = None
+    for policy, k in SETTINGS:
+      result = measure(args.config, args.overrides + [f"model.remat={policy}", f"train.microbatches={k}"], args.steps)
+      base = base or result
+      result.update(temp_ratio=round(result["temp_bytes"] / base["temp_bytes"], 3),
+                    step_ratio=round(result["step_s"] / base["step_s"], 3))
+      print(json.dumps(result), flush=True)
+
+
+def measure(path, overrides, n_steps):
+  cfg = load_config(path, overrides)
+  mesh = sharding.make_mesh(cfg.mesh)
+  sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
+  graphdef, abstract = steps.abstract_model(cfg)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+  shardings = steps.state_shardings(abstract, tx, mesh)
+  state = steps.init_state(cfg, 0, tx, shardings)
+  b, t, v = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+  tokens = np.random.default_rng(0).integers(0, v, size=(b, t + 1)).astype(np.int32)
+  batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                                 "segment_ids": np.ones((b, t), np.int32),
+                                 "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1))}, mesh)
+  start = time.perf_counter()
+  compiled = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg)).lower(
+      state, batch).compile()
+  compile_s = time.perf_counter() - start
+  state, m = compiled(state, batch)
+  jax.block_until_ready(m)
+  times = []
+  for _ in range(n_steps):
+    start = time.perf_counter()
+    state, m = compiled(state, batch)
+    jax.block_until_ready(m)
+    times.append(time.perf_counter() - start)
+  return {"remat": cfg.model.remat, "microbatches": cfg.train.microbatches, "device": jax.devices()[0].device_kind,
+          "compile_s": round(compile_s, 2), "step_s": round(float(np.median(times)), 4),
+          "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "loss": round(float(m["loss"]), 6)}
+
+
+if __name__ == "__main__":
+  main()
