@@ -151,7 +151,7 @@ def plan(cfg, topology="local", hbm_gib=None):
     raise ValueError(f"--topology {topology}: {devices[0].device_kind} does not report its memory; "
                      "state it with --hbm_gib.")
   mesh = sharding.make_mesh(cfg.mesh, devices)
-  sharding.check_batch(cfg.data.batch_size, mesh)
+  sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
   runs = phases.plan(cfg)
   print(f"{len(devices)} x {devices[0].device_kind} ({name}), mesh "
         + " ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f", {hbm / GIB:.2f} GiB per device ({hbm_source})")
