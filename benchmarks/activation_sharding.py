@@ -32,7 +32,7 @@ def measure(path, overrides):
 
   from latent_jax import load_config, objectives
   from latent_jax.data import FEATURES
-  from latent_jax.train import checkpoint, sharding
+  from latent_jax.train import sharding
   from latent_jax.train import step as steps
   from latent_jax.train.optim import build_optimizer
 
@@ -41,7 +41,7 @@ def measure(path, overrides):
   graphdef, abstract = steps.abstract_model(cfg)
   tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
   shard = steps.state_shardings(abstract, tx, mesh)
-  state = checkpoint.abstract_like(jax.eval_shape(lambda: steps.init_state(cfg, 0, tx, shard)), shard)
+  state = steps.abstract_state(cfg, tx, shard)
   b, t = cfg.data.batch_size, cfg.data.seq_len
   rows = jax.ShapeDtypeStruct((b, t), np.int32, sharding=sharding.batch_sharding(mesh))
   local = b // (mesh.shape["data"] * mesh.shape["fsdp"])

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import jax, numpy as np
     from latent_jax import load_config, objectives
-    from latent_jax.train import checkpoint, sharding, step as steps
+    from latent_jax.train import sharding, step as steps
     from latent_jax.train.optim import build_optimizer
 
     SMALL = ["model.vocab_size=320", "model.d_model=40", "model.num_layers=2", "model.num_heads=4",
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
       graphdef, abstract = steps.abstract_model(cfg)
       tx, _ = build_optimizer(cfg.optim, 10, steps.axes_tree(abstract))
       shard = steps.state_shardings(abstract, tx, mesh)
-      state = checkpoint.abstract_like(jax.eval_shape(lambda: steps.init_state(cfg, 0, tx, shard)), shard)
+      state = steps.abstract_state(cfg, tx, shard)
       rows = jax.ShapeDtypeStruct((16, seq), np.int32, sharding=sharding.batch_sharding(mesh))
       text = steps.make_train_step(graphdef, tx, cfg, shard, mesh, objective).lower(
           state, dict.fromkeys(("inputs", "targets", "segment_ids", "positions"), rows)).compile().as_text()

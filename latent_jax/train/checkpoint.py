@@ -82,11 +82,22 @@ class Checkpoints:
     return out
 
   def restore_params(self, step, abstract_params):
-    out = self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
-    return out["params"]
+    with self.reading(step):
+      return self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))["params"]
 
   def restore_meta(self, step):
-    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    with self.reading(step):
+      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  @contextlib.contextmanager
+  def reading(self, step):
+    """A reader's restore of `step`: a step that a training removes meanwhile (max_to_keep) is an
+    error to retry, not a traceback (Orbax says KeyError when an item's folder has gone)."""
+    try:
+      yield
+    except KeyError as e:
+      raise FileNotFoundError(f"{self.path(step)} lost an item while being read ({e}); a training may have "
+                              "removed this step as it saved a newer one: run again.") from None
 
   def wait(self):
     self.manager.wait_until_finished()
