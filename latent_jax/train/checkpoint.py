@@ -82,8 +82,9 @@ class Checkpoints:
     return out
 
   def restore_params(self, step, abstract_params):
+    args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))
     with self.reading(step):
-      return self.manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))["params"]
+      return self.manager.restore(step, args=args)["params"]
 
   def restore_meta(self, step):
     with self.reading(step):
