@@ -92,4 +92,7 @@ def pad_to(x: jax.Array, shape: tuple[int, ...], value=0) -> jax.Array:
 def matmul(a: jax.Array, b: jax.Array, contract: tuple[int, int] = (1, 0)) -> jax.Array:
   """2-D a @ b contracting a's axis contract[0] with b's contract[1], accumulated in fp32."""
   dims = (((contract[0],), (contract[1],)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=PRECISION, preferred_element_type=jnp.float32)
+  # HIGHEST only for fp32 operands: bf16 has nothing to lose, and Mosaic (TPU) refuses fp32
+  # contract precision on bf16 operands.
+  precision = PRECISION if jnp.float32 in (a.dtype, b.dtype) else None
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
