@@ -35,7 +35,9 @@ class WorkdirLock:
         holder = describe(read_holder(self.file))
         self.file.close()
         raise WorkdirBusy(f"--workdir {workdir} is in use by a live training ({holder}); wait for it to finish, "
-                          "stop it (SIGTERM saves a checkpoint), or pick another --workdir.") from None
+                          "stop it (SIGTERM saves a checkpoint), or pick another --workdir. (Hosts of one job share "
+                          "a workdir only when joined: --coordinator_address, --num_processes, --process_id; "
+                          "docs/launch.md.)") from None
       if same_file(self.path, self.file):
         break
       self.file.close()  # its holder removed it between our open and flock: lock the new one
