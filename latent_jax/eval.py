@@ -48,7 +48,9 @@ def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    print(json.dumps(evaluate_dir(args.workdir, args.step, args.batches)))
+    result = evaluate_dir(args.workdir, args.step, args.batches)
+    if distributed.is_primary():  # every host computed the same result
+      print(json.dumps(result))
 
 
 if __name__ == "__main__":

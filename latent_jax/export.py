@@ -58,7 +58,9 @@ def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    print(f"exported to {export(args.workdir, args.out, args.step, args.dtype)}")
+    out = export(args.workdir, args.out, args.step, args.dtype)
+    if distributed.is_primary():
+      print(f"exported to {out}")
 
 
 if __name__ == "__main__":
