@@ -229,12 +229,11 @@ def finish(out, plan, vocab_size, log):
 
 def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
   """Writes (or finishes) the token store of cfg.data at `out` -> its manifest."""
-  d = cfg.data
+  d, out = cfg.data, os.path.abspath(os.path.expanduser(out))
+  plan = check_out(out)
   if d.source.strip() in NAMED_SOURCES or store.is_store(d.source):
     raise ValueError(f"data.source={d.source!r} needs no prepare: train on it directly; prepare reads "
                      ".txt / .jsonl / .parquet files or folders.")
-  out = os.path.abspath(os.path.expanduser(out))
-  plan = check_out(out)
   files = [os.path.abspath(f) for f in resolve_files(d.source)]
   started = time.perf_counter()
   os.makedirs(os.path.join(out, store.SHARDS), exist_ok=True)
