@@ -27,7 +27,7 @@ def get_config():
   c.model.remat = "none"               # none | full (recompute each block) | matmuls (keep matmul outputs)
 
   c.data = ml_collections.ConfigDict()
-  c.data.source = "kjv"                # kjv | shakespeare | a path, glob or comma list of .txt/.jsonl files or folders
+  c.data.source = "kjv"                # kjv | shakespeare | .txt/.jsonl(.gz)/.parquet files, folders, globs | a token store
   c.data.tokenizer = ""                # "" trains SentencePiece BPE on the train split (saved in the workdir)
   c.data.seq_len = 128
   c.data.batch_size = 16               # global, across all hosts

@@ -83,9 +83,10 @@ def train_drafter(target, cfg, data, seq_len, log=print):
 
 def validation_prompts(data, count, length):
   """The first `length` tokens of up to `count` validation documents that have that many."""
-  ends = np.flatnonzero(data.val_tokens == data.tokenizer.eos_id)
+  val = np.asarray(data.val_tokens)  # a token store's is read on demand
+  ends = np.flatnonzero(val == data.tokenizer.eos_id)
   starts = np.concatenate([[0], ends[:-1] + 1])
-  prompts = [data.val_tokens[s:s + length] for s, e in zip(starts, ends) if e - s >= length][:count]
+  prompts = [val[s:s + length] for s, e in zip(starts, ends) if e - s >= length][:count]
   if not prompts:
     raise ValueError(f"eval.prompt_len={length}: no validation document has that many tokens; lower it.")
   return np.stack(prompts).astype(np.int32)

@@ -111,7 +111,7 @@ def train_args(corpus, workdir, *overrides):
 TRAIN_CASES = {
     "no source": ("{tmp}/run", ["data.source="], ["data.source", "is empty"]),
     "missing source": ("{tmp}/run", ["data.source={tmp}/nope"], ["data.source", "nope", "matches no file"]),
-    "empty folder": ("{tmp}/run", ["data.source={bad}/empty"], ["data.source", "no .txt or .jsonl"]),
+    "empty folder": ("{tmp}/run", ["data.source={bad}/empty"], ["data.source", "no .txt / .jsonl"]),
     "empty file": ("{tmp}/run", ["data.source={bad}/empty.txt"], ["data.source", "empty.txt", "empty"]),
     "not UTF-8": ("{tmp}/run", ["data.source={bad}/latin1.txt"], ["data.source", "latin1.txt", "not UTF-8", "iconv"]),
     "binary": ("{tmp}/run", ["data.source={bad}/image.png"], ["data.source", "image.png", "binary"]),

@@ -242,7 +242,7 @@ def test_corpus_errors(tmp_path):
     load_documents(str(tmp_path / "missing" / "x.txt"))
   (tmp_path / "empty").mkdir()
   (tmp_path / "empty" / "notes.md").write_text("not a corpus file")
-  with pytest.raises(FileNotFoundError, match="data.source.*no .txt or .jsonl"):
+  with pytest.raises(FileNotFoundError, match="data.source.*no .txt / .jsonl / .jsonl.gz"):
     load_documents(str(tmp_path / "empty"))
   with pytest.raises(ValueError, match="data.source.*unknown source 'bible'"):
     load_documents("bible")

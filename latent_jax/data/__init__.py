@@ -1,14 +1,16 @@
 """Data: corpus -> document split -> SentencePiece tokenizer -> packed, checkpointable batches.
 
-  data = build_data(cfg, workdir)                      # Data: tokenizer, token streams
+  data = build_data(cfg, workdir)                      # Data: tokenizer, token streams (in memory,
+                                                       # or a token store's, read on demand)
   save_tokenizer(data, workdir)                        # a trained tokenizer, once checks pass
   it = make_train_iterator(data, seq_len, batch_size, seed, process_index, process_count)
   batch = next(it)            # {"inputs", "targets", "segment_ids", "positions"} int32
   val = make_val_batches(data, seq_len, batch_size, max_batches)
 
-The iterator's state goes into every checkpoint with Grain's Orbax handler:
-`grain.checkpoint.CheckpointSave(it)` / `grain.checkpoint.CheckpointRestore(it)`.
+The data position is the number of batches read (`start`): checkpoints hold no iterator state.
+A large corpus is tokenised once by `python -m latent_jax.prepare` into a token store (store.py).
 """
+from latent_jax.data import store
 from latent_jax.data.corpus import load_documents, split_documents
 from latent_jax.data.pipeline import (FEATURES, Data, build_data, make_train_iterator,
                                       make_val_batches, pack_rows, save_tokenizer, token_stream,
@@ -18,5 +20,5 @@ from latent_jax.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, load_or_tra
 __all__ = [
     "FEATURES", "Data", "TOKENIZER_FILENAME", "Tokenizer", "build_data", "load_documents",
     "load_or_train_tokenizer", "make_train_iterator", "make_val_batches", "pack_rows",
-    "save_tokenizer", "split_documents", "token_stream", "unigram_entropy",
+    "save_tokenizer", "split_documents", "store", "token_stream", "unigram_entropy",
 ]

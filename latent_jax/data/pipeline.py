@@ -31,13 +31,15 @@ has targets -1, so every real token after the first is scored exactly once.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 import grain
 import numpy as np
 
+from latent_jax.data import store
 from latent_jax.data.corpus import load_documents, split_documents
-from latent_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from latent_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer, store_tokenizer
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions")
 
@@ -46,8 +48,8 @@ FEATURES = ("inputs", "targets", "segment_ids", "positions")
 class Data:
   """The tokenised corpus: what the training loop, eval and the README need."""
   tokenizer: Tokenizer
-  train_tokens: np.ndarray      # int32 [n_train], documents each followed by EOS
-  val_tokens: np.ndarray        # int32 [n_val]
+  train_tokens: np.ndarray      # int32 [n_train], documents each followed by EOS; from a store,
+  val_tokens: np.ndarray        # [n_val]  a ShardedTokens (lazy, sliceable, uint16 / uint32)
   num_docs: dict[str, int]      # {"train": ..., "val": ...}
   unigram_entropy: float        # nats / token of the training stream's unigram model
 
@@ -88,7 +90,12 @@ def pack_rows(windows: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
   """Entropy (nats / token) of the empirical unigram distribution: a floor to beat."""
-  counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
+  return count_entropy(np.bincount(tokens, minlength=vocab_size))
+
+
+def count_entropy(counts: np.ndarray) -> float:
+  """Entropy (nats) of the distribution proportional to `counts`."""
+  counts = np.asarray(counts, np.float64)
   p = counts[counts > 0] / counts.sum()
   return float(-(p * np.log(p)).sum())
 
@@ -190,19 +197,43 @@ def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int
 
 def build_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
   """Corpus -> document split -> tokenizer (given, the workdir's, train.init_from's `source`, or
-  trained) -> token streams. Writes nothing: `save_tokenizer` does, once the caller's checks pass."""
+  trained) -> token streams; or a token store's streams, opened lazily. Writes nothing:
+  `save_tokenizer` does, once the caller's checks pass."""
   d = cfg.data
   _check_shape(d.seq_len, d.batch_size)  # before anything heavy
+  if store.is_store(d.source):
+    return open_store_data(cfg, workdir, source)
   docs = load_documents(d.source, d.get("doc_separator", ""))
   train_docs, val_docs = split_documents(docs, d.val_fraction)
   tok = load_or_train_tokenizer(d, cfg.model.vocab_size, workdir, train_docs, source)
-  # Re-tokenising is cheap (the KJV: ~1 s), so streams are not cached on disk.
+  # Re-tokenising a small corpus is cheap (the KJV: ~1 s); a large one is prepared once into a store.
   train = token_stream(tok.encode_batch(train_docs), tok.eos_id)
   val = token_stream(tok.encode_batch(val_docs), tok.eos_id)
   _check_fits(len(train), d.seq_len, d.batch_size)
   return Data(tokenizer=tok, train_tokens=train, val_tokens=val,
               num_docs={"train": len(train_docs), "val": len(val_docs)},
               unigram_entropy=unigram_entropy(train, tok.vocab_size))
+
+
+def open_store_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
+  """A token store's streams (read on demand) and tokenizer, checked against the config."""
+  d, directory = cfg.data, os.path.expanduser(cfg.data.source.strip())
+  manifest, streams = store.open_store(directory)
+  for field in ("val_fraction", "doc_separator"):
+    if manifest[field] != d.get(field, ""):
+      raise ValueError(f"data.{field}={d.get(field, '')!r}, but the store {directory} was prepared with "
+                       f"{manifest[field]!r}; set data.{field}={manifest[field]!r}, or prepare the store again.")
+  path = os.path.join(directory, store.TOKENIZER)
+  with open(path, "rb") as f:
+    proto = f.read()
+  if hashlib.sha256(proto).hexdigest() != manifest["tokenizer"]["sha256"]:
+    raise ValueError(f"{path} is not the tokenizer the store was made with (checksum mismatch); prepare the "
+                     "store again.")
+  tok = store_tokenizer(proto, directory, d, cfg.model.vocab_size, workdir, source)
+  _check_fits(streams["train"].size, d.seq_len, d.batch_size)
+  return Data(tokenizer=tok, train_tokens=streams["train"], val_tokens=streams["val"],
+              num_docs={split: manifest["splits"][split]["docs"] for split in store.SPLITS},
+              unigram_entropy=manifest["unigram_entropy"])
 
 
 def save_tokenizer(data: Data, workdir: str):

@@ -164,19 +164,51 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
     tok = Tokenizer(path, distributed.broadcast_bytes(train_tokenizer(train_docs, vocab_size) if distributed.is_primary()
                                                       else b""))
     origin = "the tokenizer trained on data.source (whose text holds no more BPE merges)"
+  check_vocab(tok, vocab_size, origin, fixed=bool(given))
+  return tok
+
+
+def check_vocab(tok: Tokenizer, vocab_size: int, origin: str, fixed: bool):
+  """model.vocab_size against the tokenizer's pieces; `fixed`: the tokenizer cannot be retrained."""
   if tok.vocab_size > vocab_size:
     raise ValueError(
         f"{origin} has {tok.vocab_size} pieces but model.vocab_size={vocab_size}; set "
         f"model.vocab_size >= {tok.vocab_size}" +
-        ("." if given else ", or use a fresh workdir to train a new tokenizer."))
+        ("." if fixed else ", or use a fresh workdir to train a new tokenizer."))
   # A workdir's own tokenizer is taken as it is: its run's model exists already (eval, resume).
-  if (given or tok.new) and vocab_size > max_vocab_size(tok.vocab_size):
+  if (fixed or tok.new) and vocab_size > max_vocab_size(tok.vocab_size):
     raise ValueError(
         f"model.vocab_size={vocab_size} is far above the {tok.vocab_size} pieces of {origin}: embedding rows "
         f"past them never see a token. Set model.vocab_size={-(-tok.vocab_size // 128) * 128}; at most "
         f"{max_vocab_size(tok.vocab_size)} is allowed (the pieces rounded up to a multiple of 128, or 10% more, "
         "whichever is larger).")
+
+
+def store_tokenizer(proto: bytes, store: str, data_cfg, vocab_size: int, workdir: str,
+                    source: Tokenizer | None = None) -> Tokenizer:
+  """The tokenizer a token store was made with, for a run in `workdir`: data.tokenizer, the workdir's
+  own and train.init_from's must be that one (the store's ids are fixed); new to a fresh workdir."""
+  path = os.path.join(workdir, TOKENIZER_FILENAME)
+  given = os.path.expanduser(getattr(data_cfg, "tokenizer", "") or "")
+  others = [(given, f"data.tokenizer={given!r}", "drop data.tokenizer (the store brings its own)"),
+            (path, f"this workdir's {path}", "train in a new --workdir")]
+  for other, what, fix in others:
+    if other and os.path.isfile(other) and _read(other) != proto:
+      raise ValueError(f"data.source: the store {store} was made with another tokenizer than {what}; {fix}, or "
+                       f"prepare the store again with --config.data.tokenizer={other}.")
+  if given and not os.path.isfile(given):
+    raise FileNotFoundError(f"data.tokenizer: {given!r} does not exist; give '' to use the store's tokenizer.")
+  if source is not None and source.proto != proto:
+    raise ValueError(f"data.source: the store {store} was made with another tokenizer than train.init_from's "
+                     f"{source.path}; prepare the store again with --config.data.tokenizer={source.path}.")
+  tok = Tokenizer(path) if os.path.isfile(path) else Tokenizer(path, proto)
+  check_vocab(tok, vocab_size, f"the tokenizer of the store {store}", fixed=True)
   return tok
+
+
+def _read(path: str) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()
 
 
 def max_vocab_size(pieces: int) -> int:

@@ -1,0 +1,190 @@
+"""A token store: a corpus tokenised once by `python -m latent_jax.prepare`, read lazily by training.
+
+  DIR/manifest.json           written last: its presence means the store is finished
+  DIR/tokenizer.model         the tokenizer that made the ids
+  DIR/plan.json               the shards, each a run of source documents (so prepare can resume)
+  DIR/shards/NNNNN.json       a shard's counts and checksums; written after its arrays, so a shard
+                              with a .json is complete
+  DIR/shards/NNNNN.{train,val}.npy        uint16 / uint32 [tokens]: that split's documents of the
+                                          shard, each followed by EOS
+  DIR/shards/NNNNN.{train,val}.docs.npy   int64 [documents]: where each document ends (exclusive)
+
+A split's stream is its shards' arrays concatenated in shard order, which is corpus order, so it
+is exactly the stream `token_stream` builds in memory from the same documents (pipeline.py).
+The arrays are plain .npy files, opened with `np.load(mmap_mode="r")`: a training window is a
+slice, read from the page cache on demand, so memory and start-up do not grow with the corpus,
+and each host touches only the pages of its own rows. (ArrayRecord would add a dependency and a
+record per document or window, with a decode per read; windows cut across documents are simpler
+as slices of a flat array.) Token ids take the narrowest dtype that holds the vocabulary.
+
+Opening a store checks that every shard file is there at its recorded size (cheap: `stat`);
+the full checksums are read by `python -m latent_jax.prepare --verify --out DIR`, and at the end
+of every prepare.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import numpy as np
+
+MANIFEST, PLAN, TOKENIZER, SHARDS = "manifest.json", "plan.json", "tokenizer.model", "shards"
+FORMAT = "latent_jax token store 1"
+SPLITS = ("train", "val")
+
+
+def is_store(source: str) -> bool:
+  """Whether data.source names a token store (finished or not)."""
+  path = os.path.expanduser(source.strip())
+  return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (MANIFEST, PLAN))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+  return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def shard_files(name: str) -> dict[str, str]:
+  """{role: file name in shards/} of shard `name`."""
+  return {f"{split}{part}": f"{name}.{split}{part}.npy" for split in SPLITS for part in ("", ".docs")}
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_atomic(path: str, write):
+  """write(file) into a temporary file beside `path`, then rename: readers (and a resumed
+  prepare) see the whole file or none of it."""
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise
+
+
+def write_json(path: str, value):
+  write_atomic(path, lambda f: f.write(json.dumps(value, indent=1).encode()))
+
+
+def read_json(path: str):
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def sha256_file(path: str) -> str:
+  with open(path, "rb") as f:
+    return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_shard(directory: str, name: str, streams: dict[str, np.ndarray], doc_ends: dict[str, np.ndarray],
+                info: dict) -> dict:
+  """Writes shard `name`'s arrays, then its .json (counts, sizes, sha256 per file) -> that record."""
+  folder = os.path.join(directory, SHARDS)
+  arrays = {**streams, **{f"{k}.docs": v for k, v in doc_ends.items()}}
+  record = {"name": name, **info, "files": {}}
+  for role, file in shard_files(name).items():
+    path = os.path.join(folder, file)
+    write_atomic(path, lambda f, a=arrays[role]: np.save(f, a))
+    record["files"][file] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+  for split in SPLITS:
+    record[f"{split}_tokens"], record[f"{split}_docs"] = len(streams[split]), len(doc_ends[split])
+  write_json(os.path.join(folder, f"{name}.json"), record)
+  return record
+
+
+def verify(directory: str, manifest: dict):
+  """Every shard file's sha256 against the manifest; a one-line error naming the first that differs."""
+  for shard in manifest["shards"]:
+    for file, expected in shard["files"].items():
+      path = os.path.join(directory, SHARDS, file)
+      if sha256_file(path) != expected["sha256"]:
+        raise ValueError(
+            f"{path}: checksum mismatch, the shard is damaged; delete {os.path.join(directory, MANIFEST)} and "
+            f"{os.path.join(directory, SHARDS, shard['name'] + '.json')}, then rerun python -m latent_jax.prepare "
+            f"with --out {directory}: it writes that shard again.")
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class ShardedTokens:
+  """One split's token stream over its shard files, each opened (memory-mapped) on first use.
+
+  Supports len(), `.size`, contiguous slices (which copy only what they cover) and np.asarray
+  (which reads it all: for small streams). Pickles as its file names, not its data.
+  """
+
+  def __init__(self, paths: list[str], lengths: list[int], dtype: np.dtype):
+    self.paths, self.lengths, self.dtype = list(paths), list(lengths), np.dtype(dtype)
+    self.ends = np.cumsum(np.asarray(self.lengths, np.int64))
+    self.size = int(self.ends[-1]) if len(self.ends) else 0
+    self.shape = (self.size,)
+    self._open: dict[int, np.ndarray] = {}
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getstate__(self):
+    return {**self.__dict__, "_open": {}}
+
+  def shard(self, i: int) -> np.ndarray:
+    array = self._open.get(i)
+    if array is None:
+      path = self.paths[i]
+      try:
+        array = np.load(path, mmap_mode="r")
+      except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: unreadable token shard ({e}); run python -m latent_jax.prepare --verify "
+                         f"--out {os.path.dirname(os.path.dirname(path))}, or prepare the store again.") from None
+      if array.dtype != self.dtype or array.shape != (self.lengths[i],):
+        raise ValueError(f"{path}: holds {array.dtype} {array.shape}, but the manifest says {self.dtype} "
+                         f"({self.lengths[i]},); the store is damaged: prepare it again.")
+      self._open[i] = array
+    return array
+
+  def __getitem__(self, key):
+    if not isinstance(key, slice) or key.step not in (None, 1):
+      raise TypeError("ShardedTokens supports contiguous slices only.")
+    start, stop, _ = key.indices(self.size)
+    parts = []
+    i = int(np.searchsorted(self.ends, start, side="right"))
+    while start < stop:
+      first = int(self.ends[i - 1]) if i else 0
+      end = min(stop, int(self.ends[i]))
+      parts.append(self.shard(i)[start - first:end - first])
+      start, i = end, i + 1
+    return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+
+  def __array__(self, dtype=None, copy=None):
+    return self[:] if dtype is None else self[:].astype(dtype)
+
+
+def open_store(directory: str) -> tuple[dict, dict[str, ShardedTokens]]:
+  """(manifest, {"train": ShardedTokens, "val": ...}) of a finished store; every shard file present
+  at its recorded size."""
+  directory = os.path.expanduser(directory.strip())
+  manifest_path = os.path.join(directory, MANIFEST)
+  if not os.path.isfile(manifest_path):
+    raise ValueError(f"data.source: {directory} is an unfinished token store (no {MANIFEST}); finish it with "
+                     f"python -m latent_jax.prepare --config CONFIG --out {directory} (it resumes).")
+  manifest = read_json(manifest_path)
+  if manifest.get("format") != FORMAT:
+    raise ValueError(f"data.source: {manifest_path} is not a {FORMAT!r} manifest; prepare the store again.")
+  for shard in manifest["shards"]:
+    for file, expected in shard["files"].items():
+      path = os.path.join(directory, SHARDS, file)
+      size = os.path.getsize(path) if os.path.isfile(path) else None
+      if size != expected["bytes"]:
+        state = "is missing" if size is None else f"has {size} bytes, not {expected['bytes']}"
+        raise ValueError(f"{path} {state}: the token store is damaged; prepare it again (delete "
+                         f"{manifest_path} and {os.path.join(directory, SHARDS, shard['name'] + '.json')}, then rerun "
+                         f"prepare with --out {directory}: it rewrites that shard).")
+  dtype = np.dtype(manifest["dtype"])
+  streams = {split: ShardedTokens([os.path.join(directory, SHARDS, s["name"] + f".{split}.npy")
+                                   for s in manifest["shards"]], [s[f"{split}_tokens"] for s in manifest["shards"]],
+                                  dtype) for split in SPLITS}
+  return manifest, streams

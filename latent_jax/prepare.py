@@ -1,0 +1,297 @@
+"""python -m latent_jax.prepare --config CONFIG --out DIR [--config.data.source=...] [--workers=N]
+
+Tokenises data.source once into a token store (latent_jax/data/store.py, docs/data.md), which
+training then reads lazily: --config.data.source=DIR. Four steps:
+
+  scan      every source file is read once (in parallel): each document's hash (the split rule of
+            corpus.split_documents, by document), its size, and a bounded tokenizer sample: the
+            training documents of highest hash up to --sample_mb, in corpus order
+  tokenizer data.tokenizer, or SentencePiece trained on that sample (on a corpus smaller than the
+            sample: the whole training split, as training from the files does)
+  shards    runs of about --shard_mb of text, in corpus order, tokenised by --workers processes
+  manifest  after every shard's checksum is read back: sources (size, sha256), tokenizer, tokens
+            and documents per split, the split rule, the unigram entropy, the shards
+
+A killed prepare continues where it stopped when run again with the same --out (finished shards
+are kept, the rest are written whole); a finished store is never overwritten. `--verify` reads a
+finished store's checksums again.
+"""
+import heapq
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import tqdm
+
+from latent_jax import cli
+from latent_jax.config import load_config, validate
+from latent_jax.data import store
+from latent_jax.data.corpus import NAMED_SOURCES, cuttable, document_key, held_out, read_documents, resolve_files
+from latent_jax.data.pipeline import count_entropy, token_stream
+from latent_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer
+
+SPLIT_RULE = ("documents ranked by the sha256 of their UTF-8 text (ties by corpus order); the "
+              "max(1, round(val_fraction * documents)) lowest are validation")
+
+
+# ----------------------------------------------------------------------------- scan
+
+
+def scan_file(args):
+  """(path, doc_separator, sample_bytes): one source file -> its size, sha256, documents' keys, text bytes and end offsets, and its
+  part of the tokenizer sample: (key, index, bytes, text) of its highest keys up to sample_bytes."""
+  path, doc_separator, sample_bytes = args
+  keys, sizes, offsets, sample, held = [], [], [], [], 0
+  for i, (doc, offset) in enumerate(read_documents(path, doc_separator)):
+    key, size = document_key(doc), len(doc.encode("utf-8"))
+    keys.append(key)
+    sizes.append(size)
+    offsets.append(offset or 0)
+    heapq.heappush(sample, (key, i, size, doc))
+    held += size
+    while held > sample_bytes and len(sample) > 1:  # keep the highest keys that fit
+      held -= heapq.heappop(sample)[2]
+  return {"path": path, "bytes": os.path.getsize(path), "mtime_ns": os.stat(path).st_mtime_ns,
+          "sha256": store.sha256_file(path), "keys": b"".join(keys), "sizes": np.asarray(sizes, np.int64),
+          "offsets": np.asarray(offsets, np.int64), "sample": sample}
+
+
+def plan_shards(scans, held, shard_bytes):
+  """Runs of documents of about shard_bytes of text, in corpus order: pieces (file, start, end,
+  documents) that cut a plain .jsonl at line offsets and keep other files whole."""
+  shards, pieces, size, first = [], [], 0, 0
+
+  def close():
+    nonlocal pieces, size, first
+    docs = sum(p[3] for p in pieces)
+    shards.append({"name": f"{len(shards):05d}", "pieces": pieces, "first_doc": first, "docs": docs,
+                   "val": [int(i) for i in np.flatnonzero(held[first:first + docs]) + first], "bytes": int(size)})
+    pieces, size, first = [], 0, first + docs
+
+  for f, scan in enumerate(scans):
+    n, cum = len(scan["sizes"]), np.cumsum(scan["sizes"])
+    if not n:
+      continue
+    if not cuttable(scan["path"]):
+      pieces.append([f, 0, None, n])
+      size += int(cum[-1])
+    else:
+      i = 0
+      while i < n:
+        base = int(cum[i - 1]) if i else 0
+        last = min(int(np.searchsorted(cum, base + shard_bytes - size)), n - 1)  # reaches shard_bytes
+        pieces.append([f, int(scan["offsets"][i - 1]) if i else 0, int(scan["offsets"][last]), last - i + 1])
+        size += int(cum[last]) - base
+        i = last + 1
+        if size >= shard_bytes and i < n:
+          close()
+    if size >= shard_bytes:
+      close()
+  if pieces:
+    close()
+  return shards
+
+
+# ----------------------------------------------------------------------------- shards
+
+_WORKER = {}
+
+
+def tokenise_shard(args):
+  """(out, files, doc_separator, dtype, shard): reads a shard's documents, tokenises them, writes
+  the shard -> its record."""
+  *setup, shard = args
+  if _WORKER.get("setup") != setup:  # once per process
+    out, files, doc_separator, dtype = setup
+    _WORKER.update(setup=setup, tok=Tokenizer(os.path.join(out, store.TOKENIZER)), out=out, files=files,
+                   doc_separator=doc_separator, dtype=np.dtype(dtype))
+  w = _WORKER
+  val, index = set(shard["val"]), shard["first_doc"]
+  docs = {split: [] for split in store.SPLITS}
+  for f, start, end, count in shard["pieces"]:
+    path, n = w["files"][f]["path"], 0
+    for doc, _ in read_documents(path, w["doc_separator"], start, end):
+      docs["val" if index in val else "train"].append(doc)
+      index, n = index + 1, n + 1
+    if n != count:
+      raise ValueError(f"data.source: {path} changed while prepare ran ({n} documents where the scan found "
+                       f"{count}); restore it, or prepare into a new --out.")
+  streams, ends = {}, {}
+  for split, texts in docs.items():
+    ids = w["tok"].encode_batch(texts)
+    streams[split] = token_stream(ids, w["tok"].eos_id).astype(w["dtype"])
+    ends[split] = np.cumsum([len(i) + 1 for i in ids], dtype=np.int64)
+  return store.write_shard(w["out"], shard["name"], streams, ends, {"source_bytes": shard["bytes"]})
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+def settings(cfg, shard_mb, sample_mb):
+  """What a resumed prepare must share with the run it continues."""
+  d = cfg.data
+  return {"source": d.source, "doc_separator": d.get("doc_separator", ""), "val_fraction": d.val_fraction,
+          "vocab_size": cfg.model.vocab_size, "tokenizer": d.tokenizer, "shard_mb": shard_mb, "sample_mb": sample_mb}
+
+
+def check_out(out):
+  """A new or empty --out, or an unfinished store (-> its plan); a finished store is refused."""
+  if os.path.isfile(os.path.join(out, store.MANIFEST)):
+    raise FileExistsError(f"--out {out} is a finished token store; train on it with --config.data.source={out}, "
+                          "or choose another --out (a store is never overwritten).")
+  if os.path.isfile(os.path.join(out, store.PLAN)):
+    return store.read_json(os.path.join(out, store.PLAN))
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise NotADirectoryError(f"--out {out} is a file; choose a folder.")
+  leftovers = [f for f in (os.listdir(out) if os.path.isdir(out) else ())
+               if f != store.TOKENIZER and not f.startswith(".")]
+  if leftovers:
+    raise FileExistsError(f"--out {out} holds other files ({', '.join(sorted(leftovers)[:3])}); choose a new or "
+                          "empty folder.")
+  return None
+
+
+def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
+  """Scan, split, tokenizer -> DIR/tokenizer.model, then the plan -> DIR/plan.json."""
+  d, given = cfg.data, cfg.data.tokenizer
+  if os.path.isfile(os.path.join(out, store.TOKENIZER)):  # left by a prepare killed before its plan
+    os.remove(os.path.join(out, store.TOKENIZER))
+  sample_bytes = 0 if given else int(sample_mb * 2**20)
+  args = [(f, d.get("doc_separator", ""), sample_bytes) for f in files]
+  scans, sample, held_bytes, first = [], [], 0, 0
+  results = pool.imap(scan_file, args, chunksize=max(1, len(args) // 64)) if pool else map(scan_file, args)
+  for scan in tqdm.tqdm(results, total=len(files), desc="scan", unit=" files", disable=len(files) < 2):
+    for key, i, size, doc in scan.pop("sample"):  # the whole corpus's highest keys up to sample_bytes
+      heapq.heappush(sample, (key, first + i, size, doc))
+      held_bytes += size
+      while held_bytes > sample_bytes and len(sample) > 1:
+        held_bytes -= heapq.heappop(sample)[2]
+    scans.append(scan)
+    first += len(scan["sizes"])
+  if not first:
+    raise ValueError(f"data.source: every document in {d.source!r} is empty (or whitespace); point data.source at "
+                     "text, or check data.doc_separator.")
+  held = held_out(np.frombuffer(b"".join(s["keys"] for s in scans), np.uint8).reshape(-1, 32), d.val_fraction)
+  train_sample = [doc for _, i, _, doc in sorted(sample, key=lambda s: s[1]) if not held[i]]
+  tok = load_or_train_tokenizer(d, cfg.model.vocab_size, out, train_sample)
+  store.write_atomic(os.path.join(out, store.TOKENIZER), lambda f: f.write(tok.proto))
+  origin = (f"data.tokenizer={given}" if given else
+            f"SentencePiece BPE trained on {len(train_sample):,} training documents "
+            f"({sum(len(t.encode()) for t in train_sample) / 2**20:.1f} MB)")
+  log(f"tokenizer: {origin}, {tok.vocab_size:,} pieces")
+  plan = {"settings": settings(cfg, shard_mb, sample_mb), "tokenizer_origin": origin,
+          "files": [{k: s[k] for k in ("path", "bytes", "mtime_ns", "sha256")} | {"docs": len(s["sizes"])}
+                    for s in scans],
+          "shards": plan_shards(scans, held, int(shard_mb * 2**20))}
+  store.write_json(os.path.join(out, store.PLAN), plan)
+  return plan
+
+
+def check_resume(plan, cfg, files, out, shard_mb, sample_mb):
+  now = settings(cfg, shard_mb, sample_mb)
+  differ = [k for k in now if plan["settings"][k] != now[k]]
+  if differ:
+    k = differ[0]
+    raise ValueError(f"--out {out} holds an unfinished prepare with {k}={plan['settings'][k]!r}, not {now[k]!r}; "
+                     "rerun it with its settings to finish it, or choose another --out.")
+  for f in plan["files"]:
+    if f["path"] not in files or (os.path.getsize(f["path"]), os.stat(f["path"]).st_mtime_ns) != (
+        f["bytes"], f["mtime_ns"]):
+      raise ValueError(f"data.source: {f['path']} is gone or changed since the unfinished prepare in {out} scanned "
+                       "it; restore it, or prepare into another --out.")
+  if len(files) != len(plan["files"]):
+    raise ValueError(f"data.source now holds {len(files)} files, the unfinished prepare in {out} scanned "
+                     f"{len(plan['files'])}; restore them, or prepare into another --out.")
+
+
+def finish(out, plan, vocab_size, log):
+  """Reads back every shard's checksums and the train split's unigram counts -> DIR/manifest.json."""
+  shards = [store.read_json(os.path.join(out, store.SHARDS, s["name"] + ".json")) for s in plan["shards"]]
+  manifest = {"format": store.FORMAT, **{k: plan["settings"][k] for k in ("source", "doc_separator", "val_fraction")},
+              "split": SPLIT_RULE, "sources": plan["files"],
+              "tokenizer": {"file": store.TOKENIZER, "kind": "sentencepiece", "origin": plan["tokenizer_origin"],
+                            "sha256": store.sha256_file(os.path.join(out, store.TOKENIZER)), "vocab_size": vocab_size},
+              "dtype": store.token_dtype(vocab_size).name,
+              "splits": {split: {k: sum(s[f"{split}_{k}"] for s in shards) for k in ("tokens", "docs")}
+                         for split in store.SPLITS},
+              "shards": shards}
+  store.verify(out, manifest)
+  counts = np.zeros(vocab_size, np.int64)
+  for s in shards:
+    tokens = np.load(os.path.join(out, store.SHARDS, s["name"] + ".train.npy"), mmap_mode="r")
+    for start in range(0, len(tokens), 1 << 24):  # bounded memory: 16M tokens at a time
+      counts += np.bincount(tokens[start:start + (1 << 24)], minlength=vocab_size)
+  manifest["unigram_entropy"] = count_entropy(counts)
+  store.write_json(os.path.join(out, store.MANIFEST), manifest)
+  return manifest
+
+
+def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
+  """Writes (or finishes) the token store of cfg.data at `out` -> its manifest."""
+  d, out = cfg.data, os.path.abspath(os.path.expanduser(out))
+  plan = check_out(out)
+  if d.source.strip() in NAMED_SOURCES or store.is_store(d.source):
+    raise ValueError(f"data.source={d.source!r} needs no prepare: train on it directly; prepare reads "
+                     ".txt / .jsonl / .parquet files or folders.")
+  files = [os.path.abspath(f) for f in resolve_files(d.source)]
+  started = time.perf_counter()
+  os.makedirs(os.path.join(out, store.SHARDS), exist_ok=True)
+  # One pool for both passes; spawned, as a fork of a process that imported JAX is unsafe.
+  with multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else _nothing() as pool:
+    if plan is None:
+      plan = make_plan(cfg, out, files, pool, shard_mb, sample_mb, log)
+    else:
+      check_resume(plan, cfg, files, out, shard_mb, sample_mb)
+      log(f"resuming the prepare in {out}")
+    tok = Tokenizer(os.path.join(out, store.TOKENIZER))
+    dtype = store.token_dtype(tok.vocab_size)
+    pending = [s for s in plan["shards"] if not os.path.isfile(os.path.join(out, store.SHARDS, s["name"] + ".json"))]
+    total = sum(s["bytes"] for s in plan["shards"])
+    tasks = [(out, plan["files"], plan["settings"]["doc_separator"], dtype.name, s) for s in pending]
+    with tqdm.tqdm(total=total, initial=total - sum(s["bytes"] for s in pending), unit="B", unit_scale=True,
+                   desc=f"tokenise {len(plan['shards'])} shards") as bar:
+      for record in pool.imap_unordered(tokenise_shard, tasks) if pool else map(tokenise_shard, tasks):
+        bar.update(record["source_bytes"])
+  manifest = finish(out, plan, tok.vocab_size, log)
+  seconds = time.perf_counter() - started
+  log(f"{out}: {manifest['splits']['train']['tokens']:,} train / {manifest['splits']['val']['tokens']:,} val "
+      f"tokens ({dtype.name}) in {len(plan['shards'])} shards; {total / 2**20 / seconds:.1f} MB/s of text "
+      f"with {workers} worker(s) ({seconds:.1f} s)")
+  return manifest
+
+
+class _nothing:
+  """`with ... as pool` without a pool: the work runs in this process."""
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+FLAGS = [cli.Flag("config", str, None, "config file (data.*, model.vocab_size); --config.a.b=v overrides a field"),
+         cli.Flag("out", str, cli.REQUIRED, "the store's folder: new, or an unfinished store to resume"),
+         cli.Flag("workers", int, os.cpu_count(), "tokenising processes", lambda n: n >= 1, ">= 1"),
+         cli.Flag("shard_mb", float, 64.0, "text per shard, in MB", lambda x: x > 0, "> 0"),
+         cli.Flag("sample_mb", float, 64.0, "text the tokenizer is trained on, in MB", lambda x: x > 0, "> 0"),
+         cli.Flag("verify", bool, False, "check the finished store at --out against its checksums, and stop")]
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+    if args.verify:
+      manifest, _ = store.open_store(args.out)
+      store.verify(args.out, manifest)
+      print(f"{args.out}: {len(manifest['shards'])} shards match their checksums")
+      return
+    if args.config is None:
+      raise ValueError("missing --config (see --help).")
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg)
+    prepare(cfg, args.out, args.workers, args.shard_mb, args.sample_mb)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,157 @@
+"""Token stores (python -m latent_jax.prepare): same stream and batches as the in-memory path,
+exact resume, a killed prepare resumes, and the errors of a damaged or mismatched store."""
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import TINY
+from test_data import assert_batches_equal, make_docs, take, tiny_config
+
+from latent_jax import prepare as prepare_lib
+from latent_jax.data import build_data, make_train_iterator, make_val_batches, store
+
+SHARD_MB = 0.004  # ~4 KB of text: a dozen shards, so windows cross shard boundaries
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+  """60 documents in .txt files, a plain .jsonl (cut between shards) and a .jsonl.gz."""
+  root = tmp_path_factory.mktemp("sources")
+  (root / "sub").mkdir()
+  docs = make_docs(60)
+  for i, d in enumerate(docs[:20]):
+    (root / f"doc{i:02d}.txt").write_text(d, encoding="utf-8")
+  (root / "sub" / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[20:45]))
+  with gzip.open(root / "sub" / "b.jsonl.gz", "wt") as f:
+    f.write("".join(json.dumps({"text": d}) + "\n" for d in docs[45:]))
+  return str(root)
+
+
+def prepared(source, out, **kw):
+  prepare_lib.prepare(tiny_config(source), str(out), workers=1, shard_mb=SHARD_MB, log=lambda *a: None, **kw)
+  return str(out)
+
+
+@pytest.fixture(scope="module")
+def store_dir(sources, tmp_path_factory):
+  return prepared(sources, tmp_path_factory.mktemp("store") / "store")
+
+
+def test_store_gives_the_in_memory_stream_and_batches(sources, store_dir, tmp_path):
+  mem = build_data(tiny_config(sources), str(tmp_path / "mem"))
+  lazy = build_data(tiny_config(store_dir), str(tmp_path / "lazy"))
+  manifest = store.read_json(os.path.join(store_dir, store.MANIFEST))
+  assert len(manifest["shards"]) > 5 and manifest["dtype"] == "uint16"
+  assert {s["path"].rsplit(".", 1)[-1] for s in manifest["sources"]} == {"txt", "jsonl", "gz"}
+  # The tokenizer trained on the (whole, as the corpus is below --sample_mb) training split is the same.
+  assert lazy.tokenizer.proto == mem.tokenizer.proto and lazy.tokenizer.new
+  assert isinstance(lazy.train_tokens, store.ShardedTokens)
+  np.testing.assert_array_equal(np.asarray(lazy.train_tokens), mem.train_tokens)
+  np.testing.assert_array_equal(np.asarray(lazy.val_tokens), mem.val_tokens)
+  assert lazy.num_docs == mem.num_docs and lazy.unigram_entropy == pytest.approx(mem.unigram_entropy, abs=1e-12)
+  # Every slice, across shard boundaries, is the in-memory slice.
+  for start, stop in [(0, 1), (5, 900), (len(mem.train_tokens) - 3, len(mem.train_tokens) + 5)]:
+    np.testing.assert_array_equal(lazy.train_tokens[start:stop], mem.train_tokens[start:stop])
+  assert_batches_equal(take(make_train_iterator(lazy, 16, 4, seed=3), 6), take(make_train_iterator(mem, 16, 4, seed=3), 6))
+  assert_batches_equal(make_val_batches(lazy, 16, 4), make_val_batches(mem, 16, 4))
+
+
+def test_store_resume_and_hosts_read_their_own_rows(store_dir, tmp_path):
+  data = build_data(tiny_config(store_dir), str(tmp_path))
+  whole = take(make_train_iterator(data, 16, 4, seed=1), 7)
+  assert_batches_equal(take(make_train_iterator(data, 16, 4, seed=1, start=4), 3), whole[4:])
+  hosts = [take(make_train_iterator(data, 16, 4, seed=1, process_index=p, process_count=2, start=2), 5)
+           for p in range(2)]
+  for k in range(5):  # host p holds rows p, p + 2 of the single-host batch: disjoint, together all of it
+    for p in range(2):
+      for key in whole[0]:
+        np.testing.assert_array_equal(hosts[p][k][key], whole[2 + k][key][p::2])
+
+
+def store_files(directory):
+  out = {}
+  for root, _, names in os.walk(directory):
+    for n in names:
+      if n != store.MANIFEST:  # holds the sources' mtimes: identical too, but compared below by content
+        out[os.path.relpath(os.path.join(root, n), directory)] = store.sha256_file(os.path.join(root, n))
+  return out
+
+
+def test_killed_prepare_resumes_without_redoing_shards(sources, store_dir, tmp_path, monkeypatch):
+  real, calls = prepare_lib.tokenise_shard, []
+
+  def dies_after_three(args):
+    if len(calls) == 3:
+      raise KeyboardInterrupt  # as a kill between shards
+    calls.append(args[-1]["name"])
+    return real(args)
+
+  monkeypatch.setattr(prepare_lib, "tokenise_shard", dies_after_three)
+  out = tmp_path / "store"
+  with pytest.raises(KeyboardInterrupt):
+    prepared(sources, out)
+  assert not os.path.exists(out / store.MANIFEST) and len(calls) == 3
+  (out / store.SHARDS / "00004.train.npy").write_bytes(b"half a shard")  # a shard killed mid-write
+  calls.clear()
+  monkeypatch.setattr(prepare_lib, "tokenise_shard", lambda args: calls.append(args[-1]["name"]) or real(args))
+  prepared(sources, out)
+  shards = store.read_json(os.path.join(store_dir, store.MANIFEST))["shards"]
+  assert calls == [s["name"] for s in shards[3:]]  # the finished ones are kept, the rest written whole
+  assert store_files(out) == store_files(store_dir)
+  a, b = (store.read_json(os.path.join(d, store.MANIFEST)) for d in (out, store_dir))
+  assert a == b
+  with pytest.raises(FileExistsError, match="finished token store"):
+    prepared(sources, out)
+
+
+def test_store_errors(sources, store_dir, tmp_path):
+  import shutil
+  damaged = tmp_path / "damaged"
+  shutil.copytree(store_dir, damaged)
+  shard = damaged / store.SHARDS / "00002.train.npy"
+  raw = bytearray(shard.read_bytes())
+  raw[-1] ^= 1  # same size, another token
+  shard.write_bytes(bytes(raw))
+  with pytest.raises(ValueError, match=r"00002\.train\.npy: checksum mismatch.*rerun python -m latent_jax.prepare"):
+    store.verify(str(damaged), store.read_json(damaged / store.MANIFEST))
+  shard.write_bytes(bytes(raw[:-2]))
+  with pytest.raises(ValueError, match=r"00002\.train\.npy has \d+ bytes, not \d+: the token store is damaged"):
+    build_data(tiny_config(str(damaged)), str(tmp_path / "w0"))
+  # A store is read with its own tokenizer: another one in data.tokenizer or the workdir is refused.
+  other = tmp_path / "other"
+  other.mkdir()
+  prepared(sources, tmp_path / "other_store", sample_mb=0.002)  # a smaller sample: another tokenizer
+  other_tok = str(tmp_path / "other_store" / store.TOKENIZER)
+  with pytest.raises(ValueError, match="made with another tokenizer than data.tokenizer"):
+    build_data(tiny_config(store_dir, tokenizer=other_tok), str(tmp_path / "w1"))
+  shutil.copy(other_tok, other / "tokenizer.model")
+  with pytest.raises(ValueError, match="another tokenizer than this workdir's"):
+    build_data(tiny_config(store_dir), str(other))
+  with pytest.raises(ValueError, match=r"the store .* has 320 pieces but model.vocab_size=256"):
+    build_data(tiny_config(store_dir, vocab_size=256), str(tmp_path / "w2"))
+  with pytest.raises(ValueError, match=r"data.val_fraction=0.2, but the store .* was prepared with 0.05"):
+    build_data(tiny_config(store_dir, val_fraction=0.2), str(tmp_path / "w3"))
+  # prepare refuses a folder holding other files.
+  (tmp_path / "busy").mkdir()
+  (tmp_path / "busy" / "notes.txt").write_text("x")
+  with pytest.raises(FileExistsError, match="holds other files"):
+    prepared(sources, tmp_path / "busy")
+
+
+def test_prepare_cli_one_line_errors(store_dir, tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    prepare_lib.main(["--config", TINY, "--out", store_dir])
+  assert e.value.code == 2 and "finished token store" in capsys.readouterr().err
+  prepare_lib.main(["--verify", "--out", store_dir])
+  assert "match their checksums" in capsys.readouterr().out
+
+
+def test_parquet_without_text_column_names_the_file(tmp_path):
+  pa = pytest.importorskip("pyarrow")
+  import pyarrow.parquet as pq
+  from latent_jax.data import load_documents
+  pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "x.parquet")
+  with pytest.raises(ValueError, match=r'x\.parquet has no "text" column \(it has body\)'):
+    load_documents(str(tmp_path / "x.parquet"))
