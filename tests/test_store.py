@@ -1,6 +1,7 @@
 """Token stores (python -m latent_jax.prepare): same stream and batches as the in-memory path,
 exact resume, a killed prepare resumes, and the errors of a damaged or mismatched store."""
 import gzip
+import importlib.util
 import json
 import os
 
@@ -149,9 +150,16 @@ def test_prepare_cli_one_line_errors(store_dir, tmp_path, capsys):
 
 
 def test_parquet_without_text_column_names_the_file(tmp_path):
-  pa = pytest.importorskip("pyarrow")
-  import pyarrow.parquet as pq
+  """With pyarrow (the data extra): the missing column is named; without it: the extra is."""
   from latent_jax.data import load_documents
-  pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "x.parquet")
+  path = tmp_path / "x.parquet"
+  if importlib.util.find_spec("pyarrow") is None:
+    path.write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r'x\.parquet needs the optional package `pyarrow`.*\.\[data\]'):
+      load_documents(str(path))
+    return
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.table({"body": ["a", "b"]}), path)
   with pytest.raises(ValueError, match=r'x\.parquet has no "text" column \(it has body\)'):
-    load_documents(str(tmp_path / "x.parquet"))
+    load_documents(str(path))

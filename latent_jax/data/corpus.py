@@ -106,7 +106,7 @@ def _optional(module: str, path: str, package: str):
     return importlib.import_module(module)
   except ImportError:
     raise ValueError(f"data.source: reading {path} needs the optional package `{package}`; install it with "
-                     "`pip install latent_jax[data]`, or convert the file to .jsonl.") from None
+                     "`pip install -e \".[data]\"`, or convert the file to .jsonl.") from None
 
 
 def open_binary(path: str):
