@@ -16,10 +16,14 @@ import contextlib
 import json
 import logging
 import os
+import time
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+
+
+LIST_ATTEMPTS = 5
 
 
 class Checkpoints:
@@ -34,8 +38,16 @@ class Checkpoints:
         max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1, create=not read_only,
         read_only=read_only, enable_async_checkpointing=async_save and not read_only,
         cleanup_tmp_directories=not read_only)
-    with quiet_orbax():  # which warns that a read-only manager is read-only
-      self.manager = ocp.CheckpointManager(self.directory, options=options)
+    for attempt in range(LIST_ATTEMPTS):
+      try:
+        with quiet_orbax():  # which warns that a read-only manager is read-only
+          self.manager = ocp.CheckpointManager(self.directory, options=options)
+        break
+      except (FileNotFoundError, NotADirectoryError):
+        # A reader lists the steps while a training may remove one (max_to_keep): list again.
+        if not read_only or attempt == LIST_ATTEMPTS - 1:
+          raise
+        time.sleep(0.1)
 
   def latest_step(self):
     return self.manager.latest_step()
@@ -93,10 +105,10 @@ class Checkpoints:
   @contextlib.contextmanager
   def reading(self, step):
     """A reader's restore of `step`: a step that a training removes meanwhile (max_to_keep) is an
-    error to retry, not a traceback (Orbax says KeyError when an item's folder has gone)."""
+    error to retry, not a traceback (Orbax says KeyError or NotADirectoryError as folders go)."""
     try:
       yield
-    except KeyError as e:
+    except (KeyError, FileNotFoundError, NotADirectoryError) as e:
       raise FileNotFoundError(f"{self.path(step)} lost an item while being read ({e}); a training may have "
                               "removed this step as it saved a newer one: run again.") from None
 
