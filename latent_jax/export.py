@@ -1,8 +1,8 @@
 """python -m latent_jax.export --workdir DIR --out DIR2 [--step=N] [--dtype=bfloat16]
 
 Writes a params-only Orbax checkpoint in the inference dtype (default: the model's compute
-dtype) to DIR2/params, with DIR2/config.json and DIR2/tokenizer.model beside it; generate and
-eval load DIR2 like a workdir. Optimiser state and training-only parameters (the NITP projector,
+dtype) to DIR2/params, with DIR2/config.json and DIR2/tokenizer.model (or .json) beside it; generate
+and eval load DIR2 like a workdir. Optimiser state and training-only parameters (the NITP projector,
 the MTP block) are left out, and the saved config has nitp/mtp disabled to match.
 """
 import json
@@ -42,10 +42,10 @@ def export(workdir, out, step=None, dtype=None):
 
 
 def write_beside(out, cfg, tokenizer):
-  """config.json and tokenizer.model next to the params (process 0 only)."""
+  """config.json and the tokenizer file (tokenizer.model / .json) next to the params (process 0 only)."""
   with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(checkpoint.config_to_json(cfg), f, indent=2)
-  shutil.copy(tokenizer.path, os.path.join(out, "tokenizer.model"))
+  shutil.copy(tokenizer.path, os.path.join(out, tokenizer.filename))
 
 
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir"),

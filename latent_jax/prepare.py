@@ -29,7 +29,7 @@ from latent_jax.config import load_config, validate
 from latent_jax.data import store
 from latent_jax.data.corpus import NAMED_SOURCES, cuttable, document_key, held_out, read_documents, resolve_files
 from latent_jax.data.pipeline import count_entropy, token_stream
-from latent_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from latent_jax.data.tokenizer import TOKENIZER_FILES, Tokenizer, find_tokenizer, load_or_train_tokenizer
 
 SPLIT_RULE = ("documents ranked by the sha256 of their UTF-8 text (ties by corpus order); the "
               "max(1, round(val_fraction * documents)) lowest are validation")
@@ -104,7 +104,7 @@ def tokenise_shard(args):
   *setup, shard = args
   if _WORKER.get("setup") != setup:  # once per process
     out, files, doc_separator, dtype = setup
-    _WORKER.update(setup=setup, tok=Tokenizer(os.path.join(out, store.TOKENIZER)), out=out, files=files,
+    _WORKER.update(setup=setup, tok=Tokenizer(find_tokenizer(out)), out=out, files=files,
                    doc_separator=doc_separator, dtype=np.dtype(dtype))
   w = _WORKER
   val, index = set(shard["val"]), shard["first_doc"]
@@ -145,7 +145,7 @@ def check_out(out):
   if os.path.exists(out) and not os.path.isdir(out):
     raise NotADirectoryError(f"--out {out} is a file; choose a folder.")
   leftovers = [f for f in (os.listdir(out) if os.path.isdir(out) else ())
-               if f != store.TOKENIZER and not f.startswith(".")]
+               if f not in TOKENIZER_FILES.values() and not f.startswith(".")]
   if leftovers:
     raise FileExistsError(f"--out {out} holds other files ({', '.join(sorted(leftovers)[:3])}); choose a new or "
                           "empty folder.")
@@ -153,10 +153,10 @@ def check_out(out):
 
 
 def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
-  """Scan, split, tokenizer -> DIR/tokenizer.model, then the plan -> DIR/plan.json."""
+  """Scan, split, tokenizer -> DIR/tokenizer.model (or .json), then the plan -> DIR/plan.json."""
   d, given = cfg.data, cfg.data.tokenizer
-  if os.path.isfile(os.path.join(out, store.TOKENIZER)):  # left by a prepare killed before its plan
-    os.remove(os.path.join(out, store.TOKENIZER))
+  if leftover := find_tokenizer(out):  # left by a prepare killed before its plan
+    os.remove(leftover)
   sample_bytes = 0 if given else int(sample_mb * 2**20)
   args = [(f, d.get("doc_separator", ""), sample_bytes) for f in files]
   scans, sample, held_bytes, first = [], [], 0, 0
@@ -175,7 +175,7 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
   held = held_out(np.frombuffer(b"".join(s["keys"] for s in scans), np.uint8).reshape(-1, 32), d.val_fraction)
   train_sample = [doc for _, i, _, doc in sorted(sample, key=lambda s: s[1]) if not held[i]]
   tok = load_or_train_tokenizer(d, cfg.model.vocab_size, out, train_sample)
-  store.write_atomic(os.path.join(out, store.TOKENIZER), lambda f: f.write(tok.proto))
+  store.write_atomic(os.path.join(out, tok.filename), lambda f: f.write(tok.proto))
   origin = (f"data.tokenizer={given}" if given else
             f"SentencePiece BPE trained on {len(train_sample):,} training documents "
             f"({sum(len(t.encode()) for t in train_sample) / 2**20:.1f} MB)")
@@ -205,23 +205,23 @@ def check_resume(plan, cfg, files, out, shard_mb, sample_mb):
                      f"{len(plan['files'])}; restore them, or prepare into another --out.")
 
 
-def finish(out, plan, vocab_size, log):
+def finish(out, plan, tok, log):
   """Reads back every shard's checksums and the train split's unigram counts -> DIR/manifest.json."""
   shards = [store.read_json(os.path.join(out, store.SHARDS, s["name"] + ".json")) for s in plan["shards"]]
   manifest = {"format": store.FORMAT, **{k: plan["settings"][k] for k in ("source", "doc_separator", "val_fraction")},
               "split": SPLIT_RULE, "sources": plan["files"],
-              "tokenizer": {"file": store.TOKENIZER, "kind": "sentencepiece", "origin": plan["tokenizer_origin"],
-                            "sha256": store.sha256_file(os.path.join(out, store.TOKENIZER)), "vocab_size": vocab_size},
-              "dtype": store.token_dtype(vocab_size).name,
+              "tokenizer": {"file": tok.filename, "kind": tok.kind, "origin": plan["tokenizer_origin"],
+                            "sha256": store.sha256_file(tok.path), "vocab_size": tok.vocab_size},
+              "dtype": store.token_dtype(tok.vocab_size).name,
               "splits": {split: {k: sum(s[f"{split}_{k}"] for s in shards) for k in ("tokens", "docs")}
                          for split in store.SPLITS},
               "shards": shards}
   store.verify(out, manifest)
-  counts = np.zeros(vocab_size, np.int64)
+  counts = np.zeros(tok.vocab_size, np.int64)
   for s in shards:
     tokens = np.load(os.path.join(out, store.SHARDS, s["name"] + ".train.npy"), mmap_mode="r")
     for start in range(0, len(tokens), 1 << 24):  # bounded memory: 16M tokens at a time
-      counts += np.bincount(tokens[start:start + (1 << 24)], minlength=vocab_size)
+      counts += np.bincount(tokens[start:start + (1 << 24)], minlength=tok.vocab_size)
   manifest["unigram_entropy"] = count_entropy(counts)
   store.write_json(os.path.join(out, store.MANIFEST), manifest)
   return manifest
@@ -244,7 +244,7 @@ def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
     else:
       check_resume(plan, cfg, files, out, shard_mb, sample_mb)
       log(f"resuming the prepare in {out}")
-    tok = Tokenizer(os.path.join(out, store.TOKENIZER))
+    tok = Tokenizer(find_tokenizer(out))
     dtype = store.token_dtype(tok.vocab_size)
     pending = [s for s in plan["shards"] if not os.path.isfile(os.path.join(out, store.SHARDS, s["name"] + ".json"))]
     total = sum(s["bytes"] for s in plan["shards"])
@@ -253,7 +253,7 @@ def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
                    desc=f"tokenise {len(plan['shards'])} shards") as bar:
       for record in pool.imap_unordered(tokenise_shard, tasks) if pool else map(tokenise_shard, tasks):
         bar.update(record["source_bytes"])
-  manifest = finish(out, plan, tok.vocab_size, log)
+  manifest = finish(out, plan, tok, log)
   seconds = time.perf_counter() - started
   log(f"{out}: {manifest['splits']['train']['tokens']:,} train / {manifest['splits']['val']['tokens']:,} val "
       f"tokens ({dtype.name}) in {len(plan['shards'])} shards; {total / 2**20 / seconds:.1f} MB/s of text "

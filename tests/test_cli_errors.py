@@ -86,6 +86,7 @@ def bad(tmp_path_factory):
   for i in range(20):  # ~100 tokens: not one batch of 8 rows of 32
     (root / "small" / f"doc{i}.txt").write_text(f"Kar lon mith {i}.")
   (root / "garbage.model").write_bytes(b"not a SentencePiece model\x00\x01")
+  (root / "tokenizer.json").write_bytes(bytes(range(256)))  # garbage bytes named like a Hugging Face file
   (root / "a_file").write_text("not a folder")
   return root
 
@@ -123,6 +124,8 @@ TRAIN_CASES = {
     "missing tokenizer": ("{tmp}/run", ["data.tokenizer={tmp}/nope.model"], ["data.tokenizer", "nope.model"]),
     "garbage tokenizer": ("{tmp}/run", ["data.tokenizer={bad}/garbage.model"],
                           ["data.tokenizer", "garbage.model", "not a SentencePiece model"]),
+    "garbage tokenizer.json": ("{tmp}/run", ["data.tokenizer={bad}/tokenizer.json"],
+                               ["data.tokenizer", "tokenizer.json", "not a Hugging Face tokenizer.json"]),
     "missing init_from": ("{tmp}/run", ["train.init_from={tmp}/nope"], ["train.init_from", "nope"]),
     "init_from not a run": ("{tmp}/run", ["train.init_from={bad}"], ["train.init_from", "neither a training workdir"]),
     "init_from of another shape": ("{tmp}/run", ["train.init_from={run}", "model.d_model=48"],

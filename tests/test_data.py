@@ -340,8 +340,9 @@ def test_given_tokenizer_is_used_and_vocab_checked(corpus, tmp_path):
   assert vocab == 330 and tokenizer_lib.max_vocab_size(vocab) == 384  # padded to a multiple of 128
   cfg = tiny_config(folder, vocab_size=384, tokenizer=str(given))
   data = build_data(cfg, str(tmp_path / "run"))
-  assert data.tokenizer.path == str(given)
-  assert not (tmp_path / "run" / "tokenizer.model").exists()
+  # The workdir is to keep a copy of it (written by save_tokenizer), so its run needs no data.tokenizer.
+  assert data.tokenizer.path == str(tmp_path / "run" / "tokenizer.model") and data.tokenizer.new
+  assert data.tokenizer.proto == given.read_bytes() and not (tmp_path / "run").exists()
   with pytest.raises(ValueError, match=f"model.vocab_size={vocab - 1}"):
     load_or_train_tokenizer(cfg.data, vocab - 1, str(tmp_path / "run"), docs)
   with pytest.raises(ValueError, match="model.vocab_size=385 is far above the 330 pieces.*Set model.vocab_size=384"):

@@ -124,7 +124,7 @@ def test_store_errors(sources, store_dir, tmp_path):
   other = tmp_path / "other"
   other.mkdir()
   prepared(sources, tmp_path / "other_store", sample_mb=0.002)  # a smaller sample: another tokenizer
-  other_tok = str(tmp_path / "other_store" / store.TOKENIZER)
+  other_tok = str(tmp_path / "other_store" / "tokenizer.model")
   with pytest.raises(ValueError, match="made with another tokenizer than data.tokenizer"):
     build_data(tiny_config(store_dir, tokenizer=other_tok), str(tmp_path / "w1"))
   shutil.copy(other_tok, other / "tokenizer.model")

@@ -15,10 +15,10 @@ from latent_jax.data.corpus import load_documents, split_documents
 from latent_jax.data.pipeline import (FEATURES, Data, build_data, make_train_iterator,
                                       make_val_batches, pack_rows, save_tokenizer, token_stream,
                                       unigram_entropy)
-from latent_jax.data.tokenizer import TOKENIZER_FILENAME, Tokenizer, load_or_train_tokenizer
+from latent_jax.data.tokenizer import TOKENIZER_FILES, Tokenizer, find_tokenizer, load_or_train_tokenizer
 
 __all__ = [
-    "FEATURES", "Data", "TOKENIZER_FILENAME", "Tokenizer", "build_data", "load_documents",
+    "FEATURES", "Data", "TOKENIZER_FILES", "Tokenizer", "build_data", "find_tokenizer", "load_documents",
     "load_or_train_tokenizer", "make_train_iterator", "make_val_batches", "pack_rows",
     "save_tokenizer", "split_documents", "store", "token_stream", "unigram_entropy",
 ]

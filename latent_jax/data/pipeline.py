@@ -223,7 +223,7 @@ def open_store_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
     if manifest[field] != d.get(field, ""):
       raise ValueError(f"data.{field}={d.get(field, '')!r}, but the store {directory} was prepared with "
                        f"{manifest[field]!r}; set data.{field}={manifest[field]!r}, or prepare the store again.")
-  path = os.path.join(directory, store.TOKENIZER)
+  path = os.path.join(directory, manifest["tokenizer"]["file"])
   with open(path, "rb") as f:
     proto = f.read()
   if hashlib.sha256(proto).hexdigest() != manifest["tokenizer"]["sha256"]:
@@ -237,7 +237,7 @@ def open_store_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
 
 
 def save_tokenizer(data: Data, workdir: str):
-  """Creates the workdir and writes WORKDIR/tokenizer.model when the tokenizer is new to it."""
+  """Creates the workdir and writes its tokenizer file (tokenizer.model / .json) when the tokenizer is new to it."""
   os.makedirs(workdir, exist_ok=True)
   if data.tokenizer.new:
     data.tokenizer.save()

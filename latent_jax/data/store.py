@@ -1,7 +1,7 @@
 """A token store: a corpus tokenised once by `python -m latent_jax.prepare`, read lazily by training.
 
   DIR/manifest.json           written last: its presence means the store is finished
-  DIR/tokenizer.model         the tokenizer that made the ids
+  DIR/tokenizer.{model,json}  the tokenizer that made the ids (SentencePiece / Hugging Face)
   DIR/plan.json               the shards, each a run of source documents (so prepare can resume)
   DIR/shards/NNNNN.json       a shard's counts and checksums; written after its arrays, so a shard
                               with a .json is complete
@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-MANIFEST, PLAN, TOKENIZER, SHARDS = "manifest.json", "plan.json", "tokenizer.model", "shards"
+MANIFEST, PLAN, SHARDS = "manifest.json", "plan.json", "shards"
 FORMAT = "latent_jax token store 1"
 SPLITS = ("train", "val")
 

@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer: load a given `.model`, reuse the workdir's, or train BPE.
+"""Tokenizers: a SentencePiece `.model` or a Hugging Face `tokenizer.json`, given, the workdir's, or
+SentencePiece BPE trained here; one interface (encode, decode, EOS, vocab size, bytes per token).
 
 A tokenizer trained (or adopted from train.init_from) for a workdir stays in memory until
 `save()`, which the train loop calls once every check has passed: bad input writes nothing.
@@ -9,10 +10,14 @@ the pieces (`token_bytes`) add up to the text's UTF-8 length; bits-per-byte is e
 `model.vocab_size` is the size asked for: on a corpus too small to learn that many merges
 the tokenizer comes out smaller. The model's vocabulary may exceed the tokenizer's by padding
 only (`max_vocab_size`), as embedding rows past the tokenizer never see a token.
+
+A workdir (an export, a token store) keeps the file it was trained with under its kind's name,
+`tokenizer.model` or `tokenizer.json` (`TOKENIZER_FILES`), so eval, export and resume find it.
 """
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import tempfile
@@ -20,18 +25,36 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
+import tokenizers
 
 from latent_jax import distributed
 
-TOKENIZER_FILENAME = "tokenizer.model"
+TOKENIZER_FILES = {"sentencepiece": "tokenizer.model", "huggingface": "tokenizer.json"}
+# Special tokens that end (or begin, or pad) a document in Hugging Face tokenizers, by preference.
+_HF_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+_HF_BOS = ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>")
+_HF_PAD = ("<|pad|>", "<pad>", "[PAD]")
 _MAX_SENTENCE_BYTES = 8192
 _INPUT_SENTENCES = 300_000  # SentencePiece samples this many sentences; the KJV has ~90k
 _SENTENCE_END = re.compile(r"(?<=[.!?;:])(?=\s)")
 
 
+def tokenizer_kind(proto: bytes, path: str = "") -> str:
+  """"huggingface" for a tokenizer.json (JSON text), else "sentencepiece" (a serialised protobuf)."""
+  return "huggingface" if path.endswith(".json") or proto.lstrip()[:1] == b"{" else "sentencepiece"
+
+
+def find_tokenizer(directory: str) -> str | None:
+  """The path of the tokenizer file of `directory` (a workdir, an export, a token store), if any."""
+  for name in TOKENIZER_FILES.values():
+    if os.path.isfile(path := os.path.join(directory, name)):
+      return path
+  return None
+
+
 class Tokenizer:
-  """A thin wrapper over `sentencepiece.SentencePieceProcessor`, read from the `.model` file at
-  `path`, or given as `proto` (a serialised model): then `new` until `save()` writes it to `path`."""
+  """A SentencePiece `.model` or a Hugging Face `tokenizer.json` (told apart by content), read from
+  `path`, or given as `proto` (the file's bytes): then `new` until `save()` writes it to `path`."""
 
   def __init__(self, path: str, proto: bytes | None = None):
     self.path = os.fspath(path)
@@ -40,29 +63,47 @@ class Tokenizer:
       with open(self.path, "rb") as f:
         proto = f.read()
     self.proto = proto
-    self.sp = _processor(proto, self.path)
-    self.vocab_size: int = self.sp.get_piece_size()
-    self.eos_id: int = self.sp.eos_id()
-    self.bos_id: int = self.sp.bos_id()  # -1 when the model has none
-    # Padding is only ever an input under a target of -1; EOS serves when the model
-    # was trained without a pad piece.
-    self.pad_id: int = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
-    if self.eos_id < 0:
-      raise ValueError(f"data.tokenizer: {self.path} has no EOS piece; documents are "
-                       "separated by EOS, so train it with eos_id >= 0.")
-    self.token_bytes = _token_bytes(self.sp)
+    self.kind = tokenizer_kind(proto, self.path)
+    self.filename = TOKENIZER_FILES[self.kind]
+    if self.kind == "huggingface":
+      self.hf = _hf_tokenizer(proto, self.path)
+      specials = {t.content: i for i, t in self.hf.get_added_tokens_decoder().items() if t.special}
+      find = lambda names: next((specials[n] for n in names if n in specials), -1)
+      self.eos_id: int = find(_HF_EOS)
+      self.bos_id: int = find(_HF_BOS)
+      pad_id = find(_HF_PAD)
+      if self.eos_id < 0:
+        raise ValueError(f"{self.path} has no EOS among its special tokens ({', '.join(sorted(specials)) or 'none'}); "
+                         f"documents are separated by EOS: add one of {', '.join(_HF_EOS)} as a special token.")
+      self.vocab_size: int = max(self.hf.get_vocab(with_added_tokens=True).values()) + 1  # ids may have gaps
+      self.token_bytes = _hf_token_bytes(self.hf, json.loads(proto), self.vocab_size)
+    else:
+      self.sp = _processor(proto, self.path)
+      self.vocab_size: int = self.sp.get_piece_size()
+      self.eos_id: int = self.sp.eos_id()
+      self.bos_id: int = self.sp.bos_id()  # -1 when the model has none
+      pad_id = self.sp.pad_id()
+      if self.eos_id < 0:
+        raise ValueError(f"data.tokenizer: {self.path} has no EOS piece; documents are "
+                         "separated by EOS, so train it with eos_id >= 0.")
+      self.token_bytes = _token_bytes(self.sp)
+    # Padding is only ever an input under a target of -1; EOS serves when there is no pad token.
+    self.pad_id: int = pad_id if pad_id >= 0 else self.eos_id
 
   def encode(self, text: str) -> list[int]:
-    return self.sp.encode(text)
+    return self.encode_batch([text])[0]
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    if self.kind == "huggingface":  # no BOS/EOS added: documents are joined by EOS (token_stream)
+      return [e.ids for e in self.hf.encode_batch(list(texts), add_special_tokens=False)]
     return self.sp.encode(list(texts))
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self.sp.decode([int(i) for i in ids])
+    ids = [int(i) for i in ids]
+    return self.hf.decode(ids, skip_special_tokens=False) if self.kind == "huggingface" else self.sp.decode(ids)
 
   def save(self):
-    """Writes the model to `path` atomically: readers never see a half-written file."""
+    """Writes the file to `path` atomically: readers never see a half-written file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(self.path)), prefix=".tokenizer.", suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
       f.write(self.proto)
@@ -71,6 +112,35 @@ class Tokenizer:
 
   def __repr__(self) -> str:
     return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def _hf_tokenizer(proto: bytes, path: str) -> tokenizers.Tokenizer:
+  """The Hugging Face tokenizer of a tokenizer.json; an error naming `path` when the bytes are not one."""
+  try:
+    return tokenizers.Tokenizer.from_str(proto.decode("utf-8"))
+  except Exception as e:  # tokenizers raises plain Exceptions; UnicodeDecodeError for binary files
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise ValueError(f"{path} is not a Hugging Face tokenizer.json ({reason}); use the tokenizer.json of a run "
+                     "or of a Hugging Face model.") from None
+
+
+def _hf_token_bytes(hf: tokenizers.Tokenizer, spec: dict, vocab_size: int) -> np.ndarray:
+  """UTF-8 bytes each token stands for: `[vocab_size]` int32, for bits-per-byte.
+
+  Byte-level BPE (GPT-2, OLMo) writes every byte as one character of a 256-character alphabet,
+  so a piece's length is its byte count. Special tokens count 0, other added tokens their text;
+  in other models a token's bytes are those of it decoded alone.
+  """
+  decoder = spec.get("decoder") or {}
+  byte_level = any(d.get("type") == "ByteLevel" for d in [decoder, *decoder.get("decoders", [])])
+  added = hf.get_added_tokens_decoder()
+  out = np.zeros(vocab_size, np.int32)
+  for piece, i in hf.get_vocab(with_added_tokens=True).items():
+    if i in added:
+      out[i] = 0 if added[i].special else len(added[i].content.encode())
+    else:
+      out[i] = len(piece) if byte_level else len(hf.decode([i]).encode())
+  return out
 
 
 def _processor(proto: bytes, path: str) -> spm.SentencePieceProcessor:
@@ -134,35 +204,39 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int) -> bytes:
 
 def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs: Sequence[str],
                             source: Tokenizer | None = None) -> Tokenizer:
-  """`data.tokenizer` if given, else `WORKDIR/tokenizer.model` if present, else `source` (the
-  tokenizer of train.init_from), else one trained on `train_docs`; the last two are `new`.
+  """`data.tokenizer` if given, else the workdir's tokenizer file if present, else `source` (the
+  tokenizer of train.init_from), else SentencePiece trained on `train_docs`. One not yet in the
+  workdir is `new` there: `save()` keeps a copy under its kind's file name.
 
   A workdir's tokenizer is never retrained: a resumed run must see the same ids.
   """
   given = getattr(data_cfg, "tokenizer", "") or ""
-  path = os.path.join(workdir, TOKENIZER_FILENAME)
+  found = find_tokenizer(workdir)
   if given:
     given = os.path.expanduser(given)
     if not os.path.isfile(given):
-      raise FileNotFoundError(f"data.tokenizer: {given!r} does not exist; give a "
-                              "SentencePiece .model file, or '' to train one.")
+      raise FileNotFoundError(f"data.tokenizer: {given!r} does not exist; give a SentencePiece .model or a "
+                              "Hugging Face tokenizer.json file, or '' to train one.")
     try:
       tok, origin = Tokenizer(given), f"data.tokenizer={given!r}"
     except ValueError as e:
       raise ValueError(f"data.tokenizer: {str(e).removesuffix('.')}, or '' to train one.") from None
-  elif os.path.isfile(path):
+    if found is None:  # the workdir keeps its own copy: eval, export and generate need no data.tokenizer
+      tok.path, tok.new = os.path.join(workdir, tok.filename), True
+  elif found:
     try:
-      tok, origin = Tokenizer(path), path
+      tok, origin = Tokenizer(found), found
     except ValueError:
-      raise ValueError(f"{path} is damaged (not a SentencePiece model), and every checkpoint of this workdir "
+      raise ValueError(f"{found} is damaged (not a tokenizer file), and every checkpoint of this workdir "
                        "needs the token ids it defines: copy it back from an export of this run or a backup; it "
                        "cannot be retrained to the same ids.") from None
   elif source is not None:
-    tok, origin = Tokenizer(path, source.proto), f"train.init_from's {source.path}"
+    tok, origin = Tokenizer(os.path.join(workdir, source.filename), source.proto), f"train.init_from's {source.path}"
   else:
     # Trained once, by process 0, and sent to the others: every host must see the same ids.
-    tok = Tokenizer(path, distributed.broadcast_bytes(train_tokenizer(train_docs, vocab_size) if distributed.is_primary()
-                                                      else b""))
+    tok = Tokenizer(os.path.join(workdir, TOKENIZER_FILES["sentencepiece"]),
+                    distributed.broadcast_bytes(train_tokenizer(train_docs, vocab_size) if distributed.is_primary()
+                                                else b""))
     origin = "the tokenizer trained on data.source (whose text holds no more BPE merges)"
   check_vocab(tok, vocab_size, origin, fixed=bool(given))
   return tok
@@ -188,10 +262,10 @@ def store_tokenizer(proto: bytes, store: str, data_cfg, vocab_size: int, workdir
                     source: Tokenizer | None = None) -> Tokenizer:
   """The tokenizer a token store was made with, for a run in `workdir`: data.tokenizer, the workdir's
   own and train.init_from's must be that one (the store's ids are fixed); new to a fresh workdir."""
-  path = os.path.join(workdir, TOKENIZER_FILENAME)
+  own = find_tokenizer(workdir)
   given = os.path.expanduser(getattr(data_cfg, "tokenizer", "") or "")
   others = [(given, f"data.tokenizer={given!r}", "drop data.tokenizer (the store brings its own)"),
-            (path, f"this workdir's {path}", "train in a new --workdir")]
+            (own, f"this workdir's {own}", "train in a new --workdir")]
   for other, what, fix in others:
     if other and os.path.isfile(other) and _read(other) != proto:
       raise ValueError(f"data.source: the store {store} was made with another tokenizer than {what}; {fix}, or "
@@ -201,7 +275,7 @@ def store_tokenizer(proto: bytes, store: str, data_cfg, vocab_size: int, workdir
   if source is not None and source.proto != proto:
     raise ValueError(f"data.source: the store {store} was made with another tokenizer than train.init_from's "
                      f"{source.path}; prepare the store again with --config.data.tokenizer={source.path}.")
-  tok = Tokenizer(path) if os.path.isfile(path) else Tokenizer(path, proto)
+  tok = Tokenizer(own) if own else Tokenizer(os.path.join(workdir, TOKENIZER_FILES[tokenizer_kind(proto)]), proto)
   check_vocab(tok, vocab_size, f"the tokenizer of the store {store}", fixed=True)
   return tok
 

@@ -1,8 +1,8 @@
 """Load params, config and tokenizer from a training workdir or from an export folder.
 
 A training workdir holds `checkpoints/STEP/{params,...}` with the config in each checkpoint's
-metadata and `tokenizer.model` beside them; an export folder (`python -m latent_jax.export`)
-holds `params/`, `config.json` and `tokenizer.model`.
+metadata and `tokenizer.model` (or `tokenizer.json`) beside them; an export folder (`python -m latent_jax.export`)
+holds `params/`, `config.json` and the same tokenizer file.
 """
 import json
 import os
@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from latent_jax.data.tokenizer import Tokenizer
+from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.train import checkpoint
 from latent_jax.train import step as steps
 
@@ -122,12 +122,10 @@ def inference_config(cfg):
 
 
 def load_tokenizer(directory, cfg):
-  path = os.path.join(directory, "tokenizer.model")
-  if not os.path.isfile(path):
-    path = cfg.data.tokenizer
+  path = find_tokenizer(directory) or cfg.data.tokenizer
   if not path or not os.path.isfile(path):
-    raise FileNotFoundError(f"no tokenizer.model in {directory!r} and data.tokenizer={cfg.data.tokenizer!r} "
-                            "is not a file; copy the run's tokenizer.model there.")
+    raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {directory!r} and data.tokenizer="
+                            f"{cfg.data.tokenizer!r} is not a file; copy the run's tokenizer file there.")
   return Tokenizer(path)
 
 
