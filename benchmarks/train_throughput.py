@@ -29,6 +29,24 @@ def main(argv=None):
 
 def measure(path, overrides, n_steps):
   cfg = load_config(path, overrides)
+  compile_s, times = step_times(cfg, n_steps)
+  b, t = cfg.data.batch_size, cfg.data.seq_len
+  step_s = float(np.median(times))
+  flops_per_token = flops.flops_per_token(cfg, t)
+  peak = flops.measure_matmul_peak(jax.numpy.dtype(cfg.model.dtype), n=min(2048, max(512, cfg.model.d_model * 2)))
+  result = {
+      "config": path, "overrides": overrides, "device": jax.devices()[0].device_kind,
+      "devices": jax.device_count(), "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),
+      "tokens_per_s": round(b * t / step_s, 1), "train_flops_per_token": flops_per_token,
+      "flops_per_s": b * t * flops_per_token / step_s, "matmul_peak_flops_per_s": peak * jax.device_count(),
+  }
+  result["ratio_to_matmul_peak"] = round(result["flops_per_s"] / result["matmul_peak_flops_per_s"], 3)
+  print(json.dumps(result))
+
+
+def step_times(cfg, n_steps):
+  """(compile seconds, [seconds of each of n_steps timed steps]) of cfg's jitted train step on a random batch,
+  after one untimed step."""
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, abstract = steps.abstract_model(cfg)  # with the NITP / MTP heads the config enables
   tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
@@ -53,18 +71,7 @@ def measure(path, overrides, n_steps):
     state, m = compiled(state, batch)
     jax.block_until_ready(m)
     times.append(time.perf_counter() - start)
-
-  step_s = float(np.median(times))
-  flops_per_token = flops.flops_per_token(cfg, t)
-  peak = flops.measure_matmul_peak(jax.numpy.dtype(cfg.model.dtype), n=min(2048, max(512, cfg.model.d_model * 2)))
-  result = {
-      "config": path, "overrides": overrides, "device": jax.devices()[0].device_kind,
-      "devices": jax.device_count(), "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),
-      "tokens_per_s": round(b * t / step_s, 1), "train_flops_per_token": flops_per_token,
-      "flops_per_s": b * t * flops_per_token / step_s, "matmul_peak_flops_per_s": peak * jax.device_count(),
-  }
-  result["ratio_to_matmul_peak"] = round(result["flops_per_s"] / result["matmul_peak_flops_per_s"], 3)
-  print(json.dumps(result))
+  return compile_s, times
 
 
 if __name__ == "__main__":
