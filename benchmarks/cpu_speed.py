@@ -42,7 +42,7 @@ def jax_step(config, n_steps):
   from latent_jax import load_config
   from latent_jax.train import flops
   cfg = load_config(os.path.join(ROOT, config))
-  compile_s, times = step_times(cfg, n_steps)
+  compile_s, times, _, _ = step_times(cfg, n_steps)
   step_s, tokens = float(np.median(times)), cfg.data.batch_size * cfg.data.seq_len
   flops_per_token = flops.flops_per_token(cfg, cfg.data.seq_len)
   return {"impl": f"latent_jax {config}", "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),

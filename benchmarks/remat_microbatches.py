@@ -8,15 +8,12 @@ step (activations, gradients and scratch; parameters and optimiser state are arg
 temp); time is the median of `steps` timed steps. Prints one JSON line per setting.
 """
 import json
-import time
 
 import jax
 import numpy as np
 
-from latent_jax import cli, load_config, objectives
-from latent_jax.train import sharding
-from latent_jax.train import step as steps
-from latent_jax.train.optim import build_optimizer
+from benchmarks.train_throughput import step_times
+from latent_jax import cli, load_config
 
 FLAGS = [cli.CONFIG, cli.Flag("steps", int, 3, "timed steps per setting", lambda n: n >= 1, ">= 1")]
 SETTINGS = [(policy, k) for k in (1, 2, 4) for policy in ("none", "full", "matmuls")]
@@ -36,29 +33,7 @@ def main(argv=None):
 
 def measure(path, overrides, n_steps):
   cfg = load_config(path, overrides)
-  mesh = sharding.make_mesh(cfg.mesh)
-  sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
-  graphdef, abstract = steps.abstract_model(cfg)
-  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
-  shardings = steps.state_shardings(abstract, tx, mesh)
-  state = steps.init_state(cfg, 0, tx, shardings)
-  b, t, v = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
-  tokens = np.random.default_rng(0).integers(0, v, size=(b, t + 1)).astype(np.int32)
-  batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                                 "segment_ids": np.ones((b, t), np.int32),
-                                 "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1))}, mesh)
-  start = time.perf_counter()
-  compiled = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg)).lower(
-      state, batch).compile()
-  compile_s = time.perf_counter() - start
-  state, m = compiled(state, batch)
-  jax.block_until_ready(m)
-  times = []
-  for _ in range(n_steps):
-    start = time.perf_counter()
-    state, m = compiled(state, batch)
-    jax.block_until_ready(m)
-    times.append(time.perf_counter() - start)
+  compile_s, times, compiled, m = step_times(cfg, n_steps)
   return {"remat": cfg.model.remat, "microbatches": cfg.train.microbatches, "device": jax.devices()[0].device_kind,
           "compile_s": round(compile_s, 2), "step_s": round(float(np.median(times)), 4),
           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes, "loss": round(float(m["loss"]), 6)}

@@ -29,7 +29,7 @@ def main(argv=None):
 
 def measure(path, overrides, n_steps):
   cfg = load_config(path, overrides)
-  compile_s, times = step_times(cfg, n_steps)
+  compile_s, times, _, _ = step_times(cfg, n_steps)
   b, t = cfg.data.batch_size, cfg.data.seq_len
   step_s = float(np.median(times))
   flops_per_token = flops.flops_per_token(cfg, t)
@@ -45,9 +45,10 @@ def measure(path, overrides, n_steps):
 
 
 def step_times(cfg, n_steps):
-  """(compile seconds, [seconds of each of n_steps timed steps]) of cfg's jitted train step on a random batch,
-  after one untimed step."""
+  """(compile seconds, [seconds of each of n_steps timed steps], the compiled step, the last step's
+  metrics) of cfg's jitted train step on a random batch, after one untimed step."""
   mesh = sharding.make_mesh(cfg.mesh)
+  sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
   graphdef, abstract = steps.abstract_model(cfg)  # with the NITP / MTP heads the config enables
   tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
   shardings = steps.state_shardings(abstract, tx, mesh)
@@ -71,7 +72,7 @@ def step_times(cfg, n_steps):
     state, m = compiled(state, batch)
     jax.block_until_ready(m)
     times.append(time.perf_counter() - start)
-  return compile_s, times
+  return compile_s, times, compiled, m
 
 
 if __name__ == "__main__":
