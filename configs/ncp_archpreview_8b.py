@@ -11,4 +11,7 @@ def get_config():
   c = tiny_ncp.add_ncp(olmo3_7b.get_config())
   c.model.update(encoder_layers=16, concept_layers=8, decoder_layers=16, chunk_size=4, num_segments=32,
                  codebook_size=128)
+  # 8 rows per chip on v5p-128 (fsdp=64) peak at 109.5 GiB with one microbatch, 89.7 GiB with two
+  # (94% of HBM), 46.2 GiB with four (python -m latent_jax.plan; docs/performance.md).
+  c.train.microbatches = 4
   return c  # ncp.alpha, ncp.beta follow d and S (tiny_ncp.per_dimension_weights)
