@@ -102,15 +102,17 @@ def convert(flag, raw):
 
 def usage(doc, flags):
   lines = [doc.strip(), "", "flags:"]
+  names = {f.name: f"  --{f.name} {TYPE_NAMES[f.type]}" for f in flags}
+  width = max(28, *(len(n) + 2 for n in names.values()))
   for f in flags:
     notes = [f"must be {f.rule}"] if f.rule else []
     if f.default is REQUIRED:
       notes.append("required")
     elif f.default is not None:
       notes.append(f"default {f.default!r}")
-    lines.append(f"{f'  --{f.name} {TYPE_NAMES[f.type]}':<28}{f.help}" + (f" ({'; '.join(notes)})" if notes else ""))
+    lines.append(f"{names[f.name]:<{width}}{f.help}" + (f" ({'; '.join(notes)})" if notes else ""))
   if any(f.name == "config" for f in flags):
-    lines.append(f"{'  --config.a.b=VALUE':<28}override a field of the config (configs/tiny.py lists them)")
+    lines.append(f"{'  --config.a.b=VALUE':<{width}}override a field of the config (configs/tiny.py lists them)")
   return "\n".join(lines)
 
 

@@ -100,6 +100,11 @@ def describe(mesh=None):
   return line
 
 
+def joined():
+  """Whether this process joined a runtime of several processes (without starting a backend otherwise)."""
+  return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
 def is_primary():
   return jax.process_index() == 0
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import tqdm
 
-from latent_jax import cli
+from latent_jax import cli, distributed
 from latent_jax.config import load_config, validate
 from latent_jax.data import store
 from latent_jax.data.corpus import NAMED_SOURCES, cuttable, document_key, held_out, read_documents, resolve_files
@@ -275,12 +275,17 @@ FLAGS = [cli.Flag("config", str, None, "config file (data.*, model.vocab_size); 
          cli.Flag("workers", int, os.cpu_count(), "tokenising processes", lambda n: n >= 1, ">= 1"),
          cli.Flag("shard_mb", float, 64.0, "text per shard, in MB", lambda x: x > 0, "> 0"),
          cli.Flag("sample_mb", float, 64.0, "text the tokenizer is trained on, in MB", lambda x: x > 0, "> 0"),
-         cli.Flag("verify", bool, False, "check the finished store at --out against its checksums, and stop")]
+         cli.Flag("verify", bool, False, "check the finished store at --out against its checksums, and stop")
+         ] + distributed.FLAGS
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    distributed.initialize(args)
+    if distributed.joined():
+      raise ValueError("prepare writes a store from one process (with --workers tokenising in parallel); run it "
+                       "once, on one host, without --num_processes: every host of a training then reads the store.")
     if args.verify:
       manifest, _ = store.open_store(args.out)
       store.verify(args.out, manifest)

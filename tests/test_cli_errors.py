@@ -63,13 +63,17 @@ def test_bad_flags(module, argv, names, tmp_path, capsys):
   assert listing(tmp_path) == before
 
 
-@pytest.mark.parametrize("module", CLIS)
+@pytest.mark.parametrize("module", CLIS + ("latent_jax.plan", "latent_jax.prepare"))
 def test_help(module, capsys):
+  """Every command line documents its flags, the multi-host ones included."""
   with pytest.raises(SystemExit) as exit_:
     importlib.import_module(module).main(["--help"])
   out = capsys.readouterr().out
   assert exit_.value.code == 0
-  assert out.startswith(importlib.import_module(module).__doc__.strip()) and "--workdir" in out
+  assert out.startswith(importlib.import_module(module).__doc__.strip())
+  assert "--workdir" in out or module in ("latent_jax.plan", "latent_jax.prepare")
+  for flag in ("--coordinator_address", "--num_processes", "--process_id"):
+    assert flag in out
 
 
 @pytest.fixture(scope="module")
