@@ -94,9 +94,11 @@ def test_two_processes_train_resume_across_process_counts_and_export(tmp_path, c
     assert f"resumed from {tmp_path / name / 'checkpoints' / '4'}" in out
     assert_same_params(one, tmp_path / name)
 
-  # Export, evaluate and sample a 2-process fsdp checkpoint on one CPU device.
-  ev = finish(launch("latent_jax.eval", 1, 1, "--workdir", str(two)))[0]
-  assert abs(json.loads(ev.strip().splitlines()[-1])["val_loss"] - b[-1]["val_loss"]) <= 1e-5
+  # Evaluate a 2-process fsdp checkpoint on one CPU device and on 4 (data-parallel there), then
+  # export it, evaluate and sample the export on one.
+  for devices in (1, 4):
+    ev = finish(launch("latent_jax.eval", 1, devices, "--workdir", str(two)))[0]
+    assert abs(json.loads(ev.strip().splitlines()[-1])["val_loss"] - b[-1]["val_loss"]) <= 1e-5
   out = tmp_path / "export"
   finish(launch("latent_jax.export", 1, 1, "--workdir", str(two), "--out", str(out)))
   ev = finish(launch("latent_jax.eval", 1, 1, "--workdir", str(out)))[0]
