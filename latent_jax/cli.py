@@ -21,6 +21,8 @@ import sys
 import types
 from typing import Callable, NamedTuple
 
+from latent_jax import paths
+
 REQUIRED = object()  # a Flag default: the flag must be given
 
 
@@ -118,7 +120,11 @@ def usage(doc, flags):
 
 def writable_dir(path, flag):
   """Check, creating nothing, that `path` is a folder this process may write in, or one it may
-  create: its nearest existing parent is a writable folder."""
+  create: its nearest existing parent is a writable folder. (A bucket's permissions show at the
+  first write.)"""
+  if paths.is_url(path):
+    paths.expand(path)  # the scheme's package is there
+    return
   existing = os.path.abspath(path)
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)

@@ -18,7 +18,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax import cli, distributed
+from latent_jax import cli, distributed, paths
 from latent_jax.config import ConfigError, load_config
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
 from latent_jax.data.pipeline import num_windows
@@ -121,7 +121,7 @@ def run(cfg, workdir, log=print):
                      "--num_processes (the target may come from a run on any number of hosts).")
   out = os.path.join(workdir, "drafter.json")
   for path in (out, os.path.join(workdir, "params")):
-    if os.path.exists(path):
+    if paths.path(path).exists():
       raise FileExistsError(f"{path} exists; pick another --workdir (an earlier result is never overwritten).")
   cli.writable_dir(workdir, "--workdir")
   if not (load.is_export(cfg.target) or checkpoint.has_checkpoints(cfg.target)):
@@ -142,12 +142,11 @@ def run(cfg, workdir, log=print):
   drafter, history = train_drafter(target, cfg, data, target_cfg.data.seq_len, log)
   result = {"config": cfg.to_dict(), "target_model": target_identity(target_cfg.model), "history": history, "train_seconds": round(time.time() - start, 1),
             **evaluate_drafter(target, drafter, cfg, data, target_cfg.data.seq_len)}
-  os.makedirs(workdir, exist_ok=True)
+  paths.path(workdir).mkdir(parents=True, exist_ok=True)
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(os.path.join(workdir, "params")), nnx.to_pure_dict(nnx.state(drafter)))
+  checkpointer.save(paths.absolute(os.path.join(workdir, "params")), nnx.to_pure_dict(nnx.state(drafter)))
   checkpointer.wait_until_finished()
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
+  paths.path(out).write_text(json.dumps(result, indent=1))
   return result
 
 
@@ -160,10 +159,9 @@ def target_identity(model_cfg):
 def load_drafter(workdir, target_cfg):
   """(drafter, drafter config) saved by `run` in workdir, for a target of model config target_cfg."""
   path = os.path.join(workdir, "drafter.json")
-  if not os.path.isfile(path):
+  if not paths.path(path).is_file():
     raise FileNotFoundError(f"no drafter.json in {workdir!r}; train a drafter first (python -m latent_jax.draft ...).")
-  with open(path) as f:
-    saved = json.load(f)
+  saved = json.loads(paths.path(path).read_text())
   cfg = ml_collections.ConfigDict(saved["config"])
   differ = {f: (v, target_cfg.get(f)) for f, v in saved["target_model"].items() if target_cfg.get(f) != v}
   if differ:
@@ -171,7 +169,7 @@ def load_drafter(workdir, target_cfg):
                      + ", ".join(f"model.{f} ({a!r} there, {b!r} here)" for f, (a, b) in differ.items())
                      + "; train a drafter for this model.")
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: BlockDrafter(target_cfg, cfg.drafter, nnx.Rngs(0))))
-  params = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(workdir, "params")),
+  params = ocp.StandardCheckpointer().restore(paths.absolute(os.path.join(workdir, "params")),
                                               nnx.to_pure_dict(abstract))
   nnx.replace_by_pure_dict(abstract, params)
   return nnx.merge(graphdef, abstract), cfg

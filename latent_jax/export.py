@@ -7,13 +7,12 @@ the MTP block) are left out, and the saved config has nitp/mtp disabled to match
 """
 import json
 import os
-import shutil
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from latent_jax import cli, distributed
+from latent_jax import cli, distributed, paths
 from latent_jax.config import DTYPES
 from latent_jax.infer import load
 from latent_jax.train import checkpoint
@@ -22,7 +21,7 @@ from latent_jax.train import checkpoint
 def export(workdir, out, step=None, dtype=None):
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"--dtype={dtype}: use one of {DTYPES}.")
-  if os.path.exists(out):
+  if paths.path(out).exists():
     raise FileExistsError(f"--out {out!r} exists; choose a new folder (export never overwrites).")
   cli.writable_dir(out, "--out")
   distributed.barrier("export: --out checked")  # before process 0 creates it
@@ -33,9 +32,9 @@ def export(workdir, out, step=None, dtype=None):
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
   cfg.model.param_dtype = dtype
   tokenizer = load.load_tokenizer(workdir, cfg)
-  distributed.on_primary(lambda: os.makedirs(out), OSError)
+  distributed.on_primary(lambda: paths.path(out).mkdir(parents=True), OSError)
   ckptr = ocp.StandardCheckpointer()  # every process saves its shards; Orbax writes each array once
-  ckptr.save(os.path.abspath(os.path.join(out, "params")), params)
+  ckptr.save(paths.absolute(os.path.join(out, "params")), params)
   ckptr.wait_until_finished()
   distributed.on_primary(lambda: write_beside(out, cfg, tokenizer), OSError)
   return out
@@ -43,9 +42,8 @@ def export(workdir, out, step=None, dtype=None):
 
 def write_beside(out, cfg, tokenizer):
   """config.json and the tokenizer file (tokenizer.model / .json) next to the params (process 0 only)."""
-  with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump(checkpoint.config_to_json(cfg), f, indent=2)
-  shutil.copy(tokenizer.path, os.path.join(out, tokenizer.filename))
+  paths.path(os.path.join(out, "config.json")).write_text(json.dumps(checkpoint.config_to_json(cfg), indent=2))
+  paths.path(os.path.join(out, tokenizer.filename)).write_bytes(tokenizer.proto)
 
 
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir"),

@@ -14,7 +14,7 @@ training then reads lazily: --config.data.source=DIR. Four steps:
 
 A killed prepare continues where it stopped when run again with the same --out (finished shards
 are kept, the rest are written whole); a finished store is never overwritten. `--verify` reads a
-finished store's checksums again.
+finished store's checksums again. --out and the sources may be in a bucket (gs://...).
 """
 import heapq
 import multiprocessing
@@ -24,7 +24,7 @@ import time
 import numpy as np
 import tqdm
 
-from latent_jax import cli, distributed
+from latent_jax import cli, distributed, paths
 from latent_jax.config import load_config, validate
 from latent_jax.data import store
 from latent_jax.data.corpus import NAMED_SOURCES, cuttable, document_key, held_out, read_documents, resolve_files
@@ -52,7 +52,7 @@ def scan_file(args):
     held += size
     while held > sample_bytes and len(sample) > 1:  # keep the highest keys that fit
       held -= heapq.heappop(sample)[2]
-  return {"path": path, "bytes": os.path.getsize(path), "mtime_ns": os.stat(path).st_mtime_ns,
+  return {"path": path, "bytes": paths.size(path), "mtime_ns": paths.mtime_ns(path),
           "sha256": store.sha256_file(path), "keys": b"".join(keys), "sizes": np.asarray(sizes, np.int64),
           "offsets": np.asarray(offsets, np.int64), "sample": sample}
 
@@ -137,15 +137,16 @@ def settings(cfg, shard_mb, sample_mb):
 
 def check_out(out):
   """A new or empty --out, or an unfinished store (-> its plan); a finished store is refused."""
-  if os.path.isfile(os.path.join(out, store.MANIFEST)):
+  folder = paths.path(out)
+  if (folder / store.MANIFEST).is_file():
     raise FileExistsError(f"--out {out} is a finished token store; train on it with --config.data.source={out}, "
                           "or choose another --out (a store is never overwritten).")
-  if os.path.isfile(os.path.join(out, store.PLAN)):
+  if (folder / store.PLAN).is_file():
     return store.read_json(os.path.join(out, store.PLAN))
-  if os.path.exists(out) and not os.path.isdir(out):
+  if folder.exists() and not folder.is_dir():
     raise NotADirectoryError(f"--out {out} is a file; choose a folder.")
-  leftovers = [f for f in (os.listdir(out) if os.path.isdir(out) else ())
-               if f not in TOKENIZER_FILES.values() and not f.startswith(".")]
+  leftovers = [f.name for f in (folder.iterdir() if folder.is_dir() else ())
+               if f.name not in TOKENIZER_FILES.values() and not f.name.startswith(".")]
   if leftovers:
     raise FileExistsError(f"--out {out} holds other files ({', '.join(sorted(leftovers)[:3])}); choose a new or "
                           "empty folder.")
@@ -156,7 +157,7 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
   """Scan, split, tokenizer -> DIR/tokenizer.model (or .json), then the plan -> DIR/plan.json."""
   d, given = cfg.data, cfg.data.tokenizer
   if leftover := find_tokenizer(out):  # left by a prepare killed before its plan
-    os.remove(leftover)
+    paths.path(leftover).unlink()
   sample_bytes = 0 if given else int(sample_mb * 2**20)
   args = [(f, d.get("doc_separator", ""), sample_bytes) for f in files]
   scans, sample, held_bytes, first = [], [], 0, 0
@@ -175,7 +176,7 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
   held = held_out(np.frombuffer(b"".join(s["keys"] for s in scans), np.uint8).reshape(-1, 32), d.val_fraction)
   train_sample = [doc for _, i, _, doc in sorted(sample, key=lambda s: s[1]) if not held[i]]
   tok = load_or_train_tokenizer(d, cfg.model.vocab_size, out, train_sample)
-  store.write_atomic(os.path.join(out, tok.filename), lambda f: f.write(tok.proto))
+  paths.write_atomic(os.path.join(out, tok.filename), lambda f: f.write(tok.proto))
   origin = (f"data.tokenizer={given}" if given else
             f"SentencePiece BPE trained on {len(train_sample):,} training documents "
             f"({sum(len(t.encode()) for t in train_sample) / 2**20:.1f} MB)")
@@ -196,8 +197,7 @@ def check_resume(plan, cfg, files, out, shard_mb, sample_mb):
     raise ValueError(f"--out {out} holds an unfinished prepare with {k}={plan['settings'][k]!r}, not {now[k]!r}; "
                      "rerun it with its settings to finish it, or choose another --out.")
   for f in plan["files"]:
-    if f["path"] not in files or (os.path.getsize(f["path"]), os.stat(f["path"]).st_mtime_ns) != (
-        f["bytes"], f["mtime_ns"]):
+    if f["path"] not in files or (paths.size(f["path"]), paths.mtime_ns(f["path"])) != (f["bytes"], f["mtime_ns"]):
       raise ValueError(f"data.source: {f['path']} is gone or changed since the unfinished prepare in {out} scanned "
                        "it; restore it, or prepare into another --out.")
   if len(files) != len(plan["files"]):
@@ -218,9 +218,10 @@ def finish(out, plan, tok, log):
               "shards": shards}
   store.verify(out, manifest)
   counts = np.zeros(tok.vocab_size, np.int64)
-  for s in shards:
-    tokens = np.load(os.path.join(out, store.SHARDS, s["name"] + ".train.npy"), mmap_mode="r")
-    for start in range(0, len(tokens), 1 << 24):  # bounded memory: 16M tokens at a time
+  for s in shards:  # one shard in memory at a time (read, not memory-mapped: --out may be in a bucket)
+    with paths.path(os.path.join(out, store.SHARDS, s["name"] + ".train.npy")).open("rb") as f:
+      tokens = np.load(f)
+    for start in range(0, len(tokens), 1 << 24):  # bincount's int64 copy: 16M tokens at a time
       counts += np.bincount(tokens[start:start + (1 << 24)], minlength=tok.vocab_size)
   manifest["unigram_entropy"] = count_entropy(counts)
   store.write_json(os.path.join(out, store.MANIFEST), manifest)
@@ -229,14 +230,14 @@ def finish(out, plan, tok, log):
 
 def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
   """Writes (or finishes) the token store of cfg.data at `out` -> its manifest."""
-  d, out = cfg.data, os.path.abspath(os.path.expanduser(out))
+  d, out = cfg.data, paths.absolute(out)
   plan = check_out(out)
   if d.source.strip() in NAMED_SOURCES or store.is_store(d.source):
     raise ValueError(f"data.source={d.source!r} needs no prepare: train on it directly; prepare reads "
                      ".txt / .jsonl / .parquet files or folders.")
-  files = [os.path.abspath(f) for f in resolve_files(d.source)]
+  files = resolve_files(d.source)
   started = time.perf_counter()
-  os.makedirs(os.path.join(out, store.SHARDS), exist_ok=True)
+  paths.path(os.path.join(out, store.SHARDS)).mkdir(parents=True, exist_ok=True)
   # One pool for both passes; spawned, as a fork of a process that imported JAX is unsafe.
   with multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else _nothing() as pool:
     if plan is None:
@@ -246,7 +247,9 @@ def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
       log(f"resuming the prepare in {out}")
     tok = Tokenizer(find_tokenizer(out))
     dtype = store.token_dtype(tok.vocab_size)
-    pending = [s for s in plan["shards"] if not os.path.isfile(os.path.join(out, store.SHARDS, s["name"] + ".json"))]
+    folder = paths.path(os.path.join(out, store.SHARDS))  # in a bucket: there once it holds a file
+    done = {f.name for f in folder.iterdir()} if folder.is_dir() else set()  # one listing, not one per shard
+    pending = [s for s in plan["shards"] if s["name"] + ".json" not in done]
     total = sum(s["bytes"] for s in plan["shards"])
     tasks = [(out, plan["files"], plan["settings"]["doc_separator"], dtype.name, s) for s in pending]
     with tqdm.tqdm(total=total, initial=total - sum(s["bytes"] for s in pending), unit="B", unit_scale=True,
@@ -296,7 +299,6 @@ def main(argv=None):
     cfg = load_config(args.config, args.overrides)
     validate(cfg)
     prepare(cfg, args.out, args.workers, args.shard_mb, args.sample_mb)
-
 
 if __name__ == "__main__":
   main()

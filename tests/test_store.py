@@ -5,11 +5,14 @@ import importlib.util
 import json
 import os
 
+import fsspec
 import numpy as np
 import pytest
 from conftest import TINY
+from fsspec.implementations.memory import MemoryFileSystem
 from test_data import assert_batches_equal, make_docs, take, tiny_config
 
+from latent_jax import cli, paths
 from latent_jax import prepare as prepare_lib
 from latent_jax.data import build_data, make_train_iterator, make_val_batches, store
 
@@ -163,3 +166,97 @@ def test_parquet_without_text_column_names_the_file(tmp_path):
   pq.write_table(pa.table({"body": ["a", "b"]}), path)
   with pytest.raises(ValueError, match=r'x\.parquet has no "text" column \(it has body\)'):
     load_documents(str(path))
+
+# ----------------------------------------------------------------------------- buckets
+
+
+class MemoryBucket(MemoryFileSystem):
+  """gs:// served from memory as gcsfs serves a bucket: paths "bucket/key", and folders only as
+  prefixes of objects (making one does nothing). epath's remote code path (fsspec, as without
+  TensorFlow) with no network."""
+  protocol, root_marker = ("gs", "gcs"), ""
+  store, pseudo_dirs = {}, [""]
+
+  @classmethod
+  def _strip_protocol(cls, path):
+    return fsspec.utils.stringify_path(path).removeprefix("gs://").removeprefix("gcs://").strip("/")
+
+  def mkdir(self, path, create_parents=True, **kwargs):
+    pass
+
+  def makedirs(self, path, exist_ok=False):
+    pass
+
+
+@pytest.fixture
+def bucket(monkeypatch):
+  from etils.epath import backend
+  registry = importlib.import_module("fsspec.registry")
+  for scheme in MemoryBucket.protocol:
+    monkeypatch.setitem(registry._registry, scheme, MemoryBucket)  # pylint: disable=protected-access
+  backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+  MemoryBucket.store.clear()
+  yield "gs://bucket"
+  backend.fsspec_backend._get_filesystem.cache_clear()  # pylint: disable=protected-access
+
+
+def test_bucket_urls_name_their_package():
+  assert paths.absolute("~/x") == os.path.join(os.path.expanduser("~"), "x")
+  with pytest.raises(ValueError, match=r"memory://x: memory:// is not a path this library opens"):
+    paths.path("memory://x")
+  if importlib.util.find_spec("gcsfs") is None:  # the gcs extra is not installed: say how to get it
+    for call in (lambda: build_data(tiny_config("gs://b/corpus"), "/nonexistent"),
+                 lambda: cli.writable_dir("gs://b/run", "--workdir")):
+      with pytest.raises(ValueError, match=r'gs://b/\w+: gs:// paths need gcsfs: pip install "latent_jax\[gcs\]"'):
+        call()
+
+
+def test_prepare_train_data_and_metrics_in_a_bucket(sources, store_dir, bucket, tmp_path, monkeypatch, capsys):
+  from tensorboardX import record_writer
+
+  from latent_jax.data import find_tokenizer, save_tokenizer
+  from latent_jax.train import checkpoint, metrics, workdir
+  assert paths.absolute("gs://b/runs/x") == "gs://b/runs/x" and paths.expand(" gs://b/x ") == "gs://b/x"  # not ./gs:/b/x
+  for root, _, names in os.walk(sources):
+    for n in names:
+      rel = os.path.relpath(os.path.join(root, n), sources)
+      paths.path(f"{bucket}/src/{rel}").write_bytes(open(os.path.join(root, n), "rb").read())
+  out = prepared(f"{bucket}/src/", f"{bucket}/store")
+  here, there = (store.read_json(os.path.join(d, store.MANIFEST)) for d in (store_dir, out))
+  assert [s["path"] for s in there["sources"]] == [f"{bucket}/src/" + os.path.relpath(s["path"], sources)
+                                                    for s in here["sources"]]
+  for key in ("shards", "splits", "tokenizer", "unigram_entropy"):  # the same ids, shards and checksums
+    assert there[key] == here[key], key
+  prepare_lib.main(["--verify", "--out", out])
+  assert f"{len(there['shards'])} shards match their checksums" in capsys.readouterr().out
+  with pytest.raises(ValueError, match=r"memory-maps a token store's shards.*mount the bucket"):
+    build_data(tiny_config(out), str(tmp_path / "w"))
+
+  # Text in a bucket, a run in a bucket: the same stream as the local store; the tokenizer lands there.
+  run = f"{bucket}/runs/a"
+  data = build_data(tiny_config(f"{bucket}/src/*.txt,{bucket}/src/sub"), run)
+  np.testing.assert_array_equal(data.train_tokens, np.asarray(build_data(tiny_config(store_dir), str(tmp_path)).train_tokens))
+  save_tokenizer(data, run)
+  assert find_tokenizer(run) == f"{run}/tokenizer.model" and paths.path(find_tokenizer(run)).read_bytes() == data.tokenizer.proto
+  cli.writable_dir(run, "--workdir")
+  assert workdir.workdir_created(run) is None and not checkpoint.has_checkpoints(run)
+  lock = workdir.WorkdirLock(run)
+  assert "is in a bucket, where it is not locked" in capsys.readouterr().out
+  lock.release()
+  paths.path(f"{run}/checkpoints/6/params/x").write_text("?")  # a damaged checkpoint is moved aside
+  assert workdir.move_aside(f"{run}/checkpoints/6", run, "why") == f"{run}/damaged/checkpoints-6"
+  assert paths.path(f"{run}/damaged/checkpoints-6/params/x").read_text() == "?"
+  assert not paths.path(f"{run}/checkpoints/6").exists()
+
+  # metrics.jsonl without appends (a bucket has none); TensorBoard's events to a sink here (tensorboardX
+  # uploads them through google-cloud-storage, which is not installed for the tests).
+  class Sink:
+    write = flush = close = lambda self, *a: None
+  monkeypatch.setitem(record_writer.REGISTERED_FACTORIES, "gs", type("S", (), {"open": lambda s, p: Sink(),
+                                                                                "directory_check": lambda s, p: None})())
+  for resume, steps in ((0, (1, 2, 3)), (2, (3, 4))):
+    writer = metrics.MetricsWriter(run, resume)
+    for step in steps:
+      writer.write(step, {"loss": 1.0 / step})
+    writer.close()
+  assert [r["step"] for r in metrics.read_metrics(run)] == [1, 2, 3, 4]

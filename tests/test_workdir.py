@@ -88,7 +88,8 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path, corpus_dir, finished_run
   assert "resumed from" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("done at step 6/6")
   if damage != "torn metrics line":
     assert f"checkpoint {run}/checkpoints/6 is unreadable" in out.stdout
-    assert os.path.isdir(run / "damaged" / "checkpoints-6")  # moved aside, never deleted
+    assert os.path.isdir(run / "damaged" / "checkpoints-6")  # moved aside, never deleted, with the reason
+    assert (run / "damaged" / "checkpoints-6.txt").read_text().startswith(f"{run}/checkpoints/6 was unreadable: ")
   else:
     assert "not a whole JSON row" in out.stdout
   rows = [json.loads(line) for line in open(run / "metrics.jsonl")]

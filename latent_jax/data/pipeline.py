@@ -37,6 +37,7 @@ import os
 import grain
 import numpy as np
 
+from latent_jax import paths
 from latent_jax.data import store
 from latent_jax.data.corpus import load_documents, split_documents
 from latent_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer, store_tokenizer
@@ -217,15 +218,18 @@ def build_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
 
 def open_store_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
   """A token store's streams (read on demand) and tokenizer, checked against the config."""
-  d, directory = cfg.data, os.path.expanduser(cfg.data.source.strip())
+  d, directory = cfg.data, paths.expand(cfg.data.source)
+  if paths.is_url(directory):  # an object cannot be memory-mapped, and a request per window costs a round trip per row
+    raise ValueError(f"data.source: training memory-maps a token store's shards, which needs a file system: mount the "
+                     f"bucket (e.g. gcsfuse --implicit-dirs BUCKET /mnt/BUCKET, on every host) and set data.source to "
+                     f"the store's path under the mount, not {directory} (docs/data.md).")
   manifest, streams = store.open_store(directory)
   for field in ("val_fraction", "doc_separator"):
     if manifest[field] != d.get(field, ""):
       raise ValueError(f"data.{field}={d.get(field, '')!r}, but the store {directory} was prepared with "
                        f"{manifest[field]!r}; set data.{field}={manifest[field]!r}, or prepare the store again.")
   path = os.path.join(directory, manifest["tokenizer"]["file"])
-  with open(path, "rb") as f:
-    proto = f.read()
+  proto = paths.path(path).read_bytes()
   if hashlib.sha256(proto).hexdigest() != manifest["tokenizer"]["sha256"]:
     raise ValueError(f"{path} is not the tokenizer the store was made with (checksum mismatch); prepare the "
                      "store again.")
@@ -238,6 +242,6 @@ def open_store_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
 
 def save_tokenizer(data: Data, workdir: str):
   """Creates the workdir and writes its tokenizer file (tokenizer.model / .json) when the tokenizer is new to it."""
-  os.makedirs(workdir, exist_ok=True)
+  paths.path(workdir).mkdir(parents=True, exist_ok=True)
   if data.tokenizer.new:
     data.tokenizer.save()

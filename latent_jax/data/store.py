@@ -17,18 +17,23 @@ and each host touches only the pages of its own rows. (ArrayRecord would add a d
 record per document or window, with a decode per read; windows cut across documents are simpler
 as slices of a flat array.) Token ids take the narrowest dtype that holds the vocabulary.
 
-Opening a store checks that every shard file is there at its recorded size (cheap: `stat`);
+Opening a store checks that every shard file is there at its recorded size (cheap);
 the full checksums are read by `python -m latent_jax.prepare --verify --out DIR`, and at the end
 of every prepare.
+
+DIR may be in a bucket (`gs://...`, paths.py) for prepare and --verify; training memory-maps
+the shards, so it reads a bucket's store through a file system mount (docs/data.md).
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-import tempfile
 
 import numpy as np
+
+from latent_jax import paths
 
 MANIFEST, PLAN, SHARDS = "manifest.json", "plan.json", "shards"
 FORMAT = "latent_jax token store 1"
@@ -37,8 +42,8 @@ SPLITS = ("train", "val")
 
 def is_store(source: str) -> bool:
   """Whether data.source names a token store (finished or not)."""
-  path = os.path.expanduser(source.strip())
-  return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in (MANIFEST, PLAN))
+  path = paths.path(source)
+  return path.is_dir() and any((path / f).is_file() for f in (MANIFEST, PLAN))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -53,43 +58,32 @@ def shard_files(name: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- writing
 
 
-def write_atomic(path: str, write):
-  """write(file) into a temporary file beside `path`, then rename: readers (and a resumed
-  prepare) see the whole file or none of it."""
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      write(f)
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
-
-
 def write_json(path: str, value):
-  write_atomic(path, lambda f: f.write(json.dumps(value, indent=1).encode()))
+  paths.write_atomic(path, lambda f: f.write(json.dumps(value, indent=1).encode()))
 
 
 def read_json(path: str):
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return json.loads(paths.path(path).read_bytes())
 
 
 def sha256_file(path: str) -> str:
-  with open(path, "rb") as f:
+  with paths.path(path).open("rb") as f:
     return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_shard(directory: str, name: str, streams: dict[str, np.ndarray], doc_ends: dict[str, np.ndarray],
                 info: dict) -> dict:
-  """Writes shard `name`'s arrays, then its .json (counts, sizes, sha256 per file) -> that record."""
+  """Writes shard `name`'s arrays, then its .json (counts, sizes, sha256 per file) -> that record.
+  (The checksums are of the bytes written; `verify` reads the files back.)"""
   folder = os.path.join(directory, SHARDS)
   arrays = {**streams, **{f"{k}.docs": v for k, v in doc_ends.items()}}
   record = {"name": name, **info, "files": {}}
   for role, file in shard_files(name).items():
-    path = os.path.join(folder, file)
-    write_atomic(path, lambda f, a=arrays[role]: np.save(f, a))
-    record["files"][file] = {"bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+    buffer = io.BytesIO()
+    np.save(buffer, arrays[role])
+    data = buffer.getbuffer()
+    paths.write_atomic(os.path.join(folder, file), lambda f, d=data: f.write(d))
+    record["files"][file] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
   for split in SPLITS:
     record[f"{split}_tokens"], record[f"{split}_docs"] = len(streams[split]), len(doc_ends[split])
   write_json(os.path.join(folder, f"{name}.json"), record)
@@ -166,9 +160,9 @@ class ShardedTokens:
 def open_store(directory: str) -> tuple[dict, dict[str, ShardedTokens]]:
   """(manifest, {"train": ShardedTokens, "val": ...}) of a finished store; every shard file present
   at its recorded size."""
-  directory = os.path.expanduser(directory.strip())
+  directory = paths.expand(directory)
   manifest_path = os.path.join(directory, MANIFEST)
-  if not os.path.isfile(manifest_path):
+  if not paths.path(manifest_path).is_file():
     raise ValueError(f"data.source: {directory} is an unfinished token store (no {MANIFEST}); finish it with "
                      f"python -m latent_jax.prepare --config CONFIG --out {directory} (it resumes).")
   manifest = read_json(manifest_path)
@@ -177,7 +171,7 @@ def open_store(directory: str) -> tuple[dict, dict[str, ShardedTokens]]:
   for shard in manifest["shards"]:
     for file, expected in shard["files"].items():
       path = os.path.join(directory, SHARDS, file)
-      size = os.path.getsize(path) if os.path.isfile(path) else None
+      size = paths.size(path) if paths.path(path).is_file() else None
       if size != expected["bytes"]:
         state = "is missing" if size is None else f"has {size} bytes, not {expected['bytes']}"
         raise ValueError(f"{path} {state}: the token store is damaged; prepare it again (delete "

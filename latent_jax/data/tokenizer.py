@@ -20,14 +20,13 @@ import io
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
 import tokenizers
 
-from latent_jax import distributed
+from latent_jax import distributed, paths
 
 TOKENIZER_FILES = {"sentencepiece": "tokenizer.model", "huggingface": "tokenizer.json"}
 # Special tokens that end (or begin, or pad) a document in Hugging Face tokenizers, by preference.
@@ -47,7 +46,7 @@ def tokenizer_kind(proto: bytes, path: str = "") -> str:
 def find_tokenizer(directory: str) -> str | None:
   """The path of the tokenizer file of `directory` (a workdir, an export, a token store), if any."""
   for name in TOKENIZER_FILES.values():
-    if os.path.isfile(path := os.path.join(directory, name)):
+    if paths.path(path := os.path.join(directory, name)).is_file():
       return path
   return None
 
@@ -60,8 +59,7 @@ class Tokenizer:
     self.path = os.fspath(path)
     self.new = proto is not None
     if proto is None:
-      with open(self.path, "rb") as f:
-        proto = f.read()
+      proto = paths.path(self.path).read_bytes()
     self.proto = proto
     self.kind = tokenizer_kind(proto, self.path)
     self.filename = TOKENIZER_FILES[self.kind]
@@ -104,10 +102,7 @@ class Tokenizer:
 
   def save(self):
     """Writes the file to `path` atomically: readers never see a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(self.path)), prefix=".tokenizer.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-      f.write(self.proto)
-    os.replace(tmp, self.path)
+    paths.write_atomic(self.path, lambda f: f.write(self.proto))
     self.new = False
 
   def __repr__(self) -> str:
@@ -213,8 +208,8 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
   given = getattr(data_cfg, "tokenizer", "") or ""
   found = find_tokenizer(workdir)
   if given:
-    given = os.path.expanduser(given)
-    if not os.path.isfile(given):
+    given = paths.expand(given)
+    if not paths.path(given).is_file():
       raise FileNotFoundError(f"data.tokenizer: {given!r} does not exist; give a SentencePiece .model or a "
                               "Hugging Face tokenizer.json file, or '' to train one.")
     try:
@@ -263,14 +258,14 @@ def store_tokenizer(proto: bytes, store: str, data_cfg, vocab_size: int, workdir
   """The tokenizer a token store was made with, for a run in `workdir`: data.tokenizer, the workdir's
   own and train.init_from's must be that one (the store's ids are fixed); new to a fresh workdir."""
   own = find_tokenizer(workdir)
-  given = os.path.expanduser(getattr(data_cfg, "tokenizer", "") or "")
+  given = paths.expand(getattr(data_cfg, "tokenizer", "") or "")
   others = [(given, f"data.tokenizer={given!r}", "drop data.tokenizer (the store brings its own)"),
             (own, f"this workdir's {own}", "train in a new --workdir")]
   for other, what, fix in others:
-    if other and os.path.isfile(other) and _read(other) != proto:
+    if other and paths.path(other).is_file() and paths.path(other).read_bytes() != proto:
       raise ValueError(f"data.source: the store {store} was made with another tokenizer than {what}; {fix}, or "
                        f"prepare the store again with --config.data.tokenizer={other}.")
-  if given and not os.path.isfile(given):
+  if given and not paths.path(given).is_file():
     raise FileNotFoundError(f"data.tokenizer: {given!r} does not exist; give '' to use the store's tokenizer.")
   if source is not None and source.proto != proto:
     raise ValueError(f"data.source: the store {store} was made with another tokenizer than train.init_from's "
@@ -278,11 +273,6 @@ def store_tokenizer(proto: bytes, store: str, data_cfg, vocab_size: int, workdir
   tok = Tokenizer(own) if own else Tokenizer(os.path.join(workdir, TOKENIZER_FILES[tokenizer_kind(proto)]), proto)
   check_vocab(tok, vocab_size, f"the tokenizer of the store {store}", fixed=True)
   return tok
-
-
-def _read(path: str) -> bytes:
-  with open(path, "rb") as f:
-    return f.read()
 
 
 def max_vocab_size(pieces: int) -> int:

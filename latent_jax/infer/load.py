@@ -12,19 +12,20 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from latent_jax import paths
 from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.train import checkpoint
 from latent_jax.train import step as steps
 
 
 def is_export(directory):
-  return os.path.isfile(os.path.join(directory, "config.json")) and os.path.isdir(os.path.join(directory, "params"))
+  return paths.path(os.path.join(directory, "config.json")).is_file() and paths.path(os.path.join(directory, "params")).is_dir()
 
 
 def find_checkpoint(directory, step=None):
   """(manager, step) of the given or newest checkpoint: regular ones, or a TST phase-1 result."""
   managers = [checkpoint.Checkpoints(directory, subdir=sub, read_only=True) for sub in ("checkpoints", "phase1")
-              if os.path.isdir(os.path.join(directory, sub))]
+              if paths.path(os.path.join(directory, sub)).is_dir()]
   found = [(s, m) for m in managers for s in m.manager.all_steps() if step is None or s == step]
   if not found:
     what = f"no checkpoint at step {step}" if step else "no checkpoints"
@@ -37,8 +38,7 @@ def find_checkpoint(directory, step=None):
 def load_config(directory, step=None):
   """(config, step) of a workdir's latest (or given) checkpoint, or of an export folder."""
   if is_export(directory):
-    with open(os.path.join(directory, "config.json")) as f:
-      return checkpoint.config_from_json(json.load(f)), None
+    return checkpoint.config_from_json(json.loads(paths.path(os.path.join(directory, "config.json")).read_text())), None
   manager, step = find_checkpoint(directory, step)
   return checkpoint.config_from_json(manager.restore_meta(step)["config"]), step
 
@@ -54,7 +54,7 @@ def saved_params(directory, cfg, step=None, shardings=None):
       lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(path_name(p), everywhere)),
       nnx.to_pure_dict(saved))
   if is_export(directory):
-    return ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(directory, "params")), target)
+    return ocp.StandardCheckpointer().restore(paths.absolute(os.path.join(directory, "params")), target)
   manager, step = find_checkpoint(directory, step)
   return manager.restore_params(step, target)
 
@@ -71,7 +71,7 @@ def check_init_from(directory, cfg, params):
   """(source config, step) of train.init_from = `directory`, once every parameter of `params`
   (this run's, arrays or abstract) is known to be there with its shape: anything but a
   training-only head (NITP, MTP) that the source lacks means the models differ, an error."""
-  if not (is_export(directory) or any(os.path.isdir(os.path.join(directory, sub)) for sub in ("checkpoints", "phase1"))):
+  if not (is_export(directory) or any(paths.path(os.path.join(directory, sub)).is_dir() for sub in ("checkpoints", "phase1"))):
     raise FileNotFoundError(f"train.init_from: {directory!r} is neither a training workdir with checkpoints nor "
                             "an export folder; give a run's --workdir or a `python -m latent_jax.export` folder.")
   source_cfg, step = load_config(directory)
@@ -123,7 +123,7 @@ def inference_config(cfg):
 
 def load_tokenizer(directory, cfg):
   path = find_tokenizer(directory) or cfg.data.tokenizer
-  if not path or not os.path.isfile(path):
+  if not path or not paths.path(path).is_file():
     raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {directory!r} and data.tokenizer="
                             f"{cfg.data.tokenizer!r} is not a file; copy the run's tokenizer file there.")
   return Tokenizer(path)

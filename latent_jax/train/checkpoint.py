@@ -22,6 +22,8 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
+from latent_jax import paths
+
 
 LIST_ATTEMPTS = 5
 
@@ -33,7 +35,7 @@ class Checkpoints:
     Only the training opens them writable; with read_only nothing on disk is created, cleaned or
     removed, so a reader cannot disturb a training that is saving.
     """
-    self.directory = os.path.abspath(os.path.join(workdir, subdir))
+    self.directory = paths.absolute(os.path.join(workdir, subdir))  # a local one absolute, as Orbax asks
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1, create=not read_only,
         read_only=read_only, enable_async_checkpointing=async_save and not read_only,
@@ -83,7 +85,7 @@ class Checkpoints:
     for item in ("params", "opt_state"):
       folder = os.path.join(self.path(step), item)
       with quiet_orbax():  # which warns that an item folder has no step metadata of its own
-        saved = layout(ocp.StandardCheckpointer().metadata(folder).item_metadata) if os.path.isdir(folder) else {}
+        saved = layout(ocp.StandardCheckpointer().metadata(folder).item_metadata) if paths.path(folder).is_dir() else {}
       if not saved:  # a missing item is damage, not another layout
         raise FileNotFoundError(f"{folder} is missing or holds no arrays")
       here = layout(abstract_state[item])
@@ -145,8 +147,8 @@ def layout(tree):
 
 def has_checkpoints(workdir):
   """Whether the workdir holds a saved step (a regular checkpoint or a TST phase-1 result)."""
-  return any(name.isdigit() for sub in ("checkpoints", "phase1")
-             for name in (os.listdir(os.path.join(workdir, sub)) if os.path.isdir(os.path.join(workdir, sub)) else ()))
+  folders = [paths.path(os.path.join(workdir, sub)) for sub in ("checkpoints", "phase1")]
+  return any(f.name.isdigit() for folder in folders if folder.is_dir() for f in folder.iterdir())
 
 
 def config_to_json(cfg):

@@ -1,19 +1,31 @@
-"""Metrics to WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard."""
+"""Metrics to WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard.
+
+Process 0 keeps metrics.jsonl open for the run and flushes each row as it writes it, so a local
+file holds every row logged so far. A bucket has no appends: there the file is written whole
+when the run ends, stops or fails (TensorBoard's events are uploaded every two minutes).
+"""
 import json
 import math
 import os
 
 import jax
 
+from latent_jax import paths
+
 
 class MetricsWriter:
   def __init__(self, workdir, resume_step=0):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self.tb = None
+    self.file = self.tb = None
     if not self.enabled:
       return
-    drop_rows_after(self.path, resume_step)
+    # On resume, forget rows logged after the restored checkpoint: they will be logged again.
+    kept = [r for r in read_rows(self.path, warn=True) if r["step"] <= resume_step] if paths.path(
+        self.path).exists() else []
+    self.file = paths.path(self.path).open("w")
+    self.file.writelines(json.dumps(r) + "\n" for r in kept)
+    self.file.flush()
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
@@ -21,13 +33,15 @@ class MetricsWriter:
     if not self.enabled:
       return
     row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items()}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
+    self.file.write(json.dumps(row) + "\n")
+    self.file.flush()
     for k, v in row.items():
       if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
         self.tb.add_scalar(k, v, step)
 
   def close(self):
+    if self.file is not None:
+      self.file.close()
     if self.tb is not None:
       self.tb.close()
 
@@ -37,20 +51,11 @@ def to_python(v):
   return v if not isinstance(v, float) or math.isfinite(v) else str(v)
 
 
-def drop_rows_after(path, step):
-  """On resume, forget rows logged after the restored checkpoint: they will be logged again.
-  A line torn by a kill in mid-write is dropped too, with a notice."""
-  if not os.path.exists(path):
-    return
-  rows = read_rows(path, warn=True)
-  with open(path, "w") as f:
-    f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= step)
-
-
 def read_rows(path, warn=False):
-  """The rows of a metrics.jsonl; a line that is not a whole JSON row (a torn write) is skipped."""
+  """The rows of a metrics.jsonl; a line that is not a whole JSON row (a write cut short by a kill)
+  is skipped, with a notice when `warn`."""
   rows = []
-  with open(path) as f:
+  with paths.path(path).open("r") as f:
     for lineno, line in enumerate(f, start=1):
       try:
         row = json.loads(line) if line.strip() else None
@@ -65,4 +70,4 @@ def read_rows(path, warn=False):
 
 def read_metrics(workdir):
   path = os.path.join(workdir, "metrics.jsonl")
-  return read_rows(path) if os.path.exists(path) else []
+  return read_rows(path) if paths.path(path).exists() else []

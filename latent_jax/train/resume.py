@@ -16,7 +16,7 @@ Changes to a resumed run's config fall in three kinds:
 """
 import os
 
-from latent_jax import distributed
+from latent_jax import distributed, paths
 from latent_jax.config import ConfigError
 from latent_jax.train.checkpoint import Checkpoints, config_to_json
 from latent_jax.train.workdir import move_aside
@@ -81,7 +81,7 @@ def check_saved_config(workdir, cfg, allow_data_change=False, log=print):
   """check_config against the newest checkpoint whose metadata reads (regular or TST phase-1 result),
   read-only and before anything heavy; damage is left to restore_newest. Prints what changed."""
   found = [(s, c) for c in (Checkpoints(workdir, subdir=sub, read_only=True) for sub in ("checkpoints", "phase1")
-                            if os.path.isdir(os.path.join(workdir, sub))) for s in c.all_steps()]
+                            if paths.path(os.path.join(workdir, sub)).is_dir()) for s in c.all_steps()]
   for step, saved in sorted(found, key=lambda x: x[0], reverse=True):
     try:
       saved_cfg = saved.restore_meta(step)["config"]
@@ -106,7 +106,7 @@ def restore_newest(candidates, restore, workdir, log=print):
       raise
     except Exception as e:  # pylint: disable=broad-except  # any failure to read is damage
       reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-      moved = distributed.on_primary(lambda: move_aside(checkpoints.path(step), workdir))
+      moved = distributed.on_primary(lambda: move_aside(checkpoints.path(step), workdir, reason))
       checkpoints.reload()
       log(f"warning: checkpoint {checkpoints.path(step)} is unreadable ({reason}); moved it to {moved} and "
           "trying the one before it")

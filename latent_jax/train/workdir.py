@@ -6,6 +6,10 @@ removed when it ends. The kernel drops the flock when the process dies, however 
 lock file left by a dead run is taken over at once, with a notice naming the run that left it.
 The file's one JSON line names the holder (host, pid, start time) for the error a second
 training prints.
+
+A workdir in a bucket (gs://...) is not locked, and the run says so: an object store has no lock
+that is dropped when its holder dies (a create-if-absent object would outlive a preempted run and
+block its restart), so one training per bucket workdir is up to the launcher.
 """
 import fcntl
 import json
@@ -13,6 +17,8 @@ import os
 import shutil
 import socket
 import time
+
+from latent_jax import paths
 
 LOCK_FILENAME = "train.lock"
 DAMAGED_DIRNAME = "damaged"
@@ -26,7 +32,10 @@ class WorkdirLock:
   """Hold WORKDIR/train.lock until `release()` (or the process ends)."""
 
   def __init__(self, workdir):
-    self.path = os.path.join(workdir, LOCK_FILENAME)
+    self.path, self.file = os.path.join(workdir, LOCK_FILENAME), None
+    if paths.is_url(workdir):
+      print(f"note: --workdir {workdir} is in a bucket, where it is not locked: run one training on it at a time")
+      return
     while True:
       self.file = open(self.path, "a+")  # never truncate before we hold it: the holder's line is the message
       try:
@@ -51,7 +60,7 @@ class WorkdirLock:
     self.file.flush()
 
   def release(self):
-    if self.file.closed:
+    if self.file is None or self.file.closed:
       return
     os.unlink(self.path)  # before unlocking: whoever opened the old file sees it is gone
     fcntl.flock(self.file, fcntl.LOCK_UN)
@@ -79,20 +88,26 @@ def describe(holder):
   return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}"
 
 
-def move_aside(path, workdir):
-  """Move a damaged checkpoint folder to WORKDIR/damaged/<parent>-<step>[-k]; returns the new path."""
+def move_aside(path, workdir, reason):
+  """Move a damaged checkpoint folder to WORKDIR/damaged/<parent>-<step>[-k], with the reason beside
+  it in <parent>-<step>[-k].txt; returns the new path."""
   folder = os.path.join(workdir, DAMAGED_DIRNAME)
-  os.makedirs(folder, exist_ok=True)
+  paths.path(folder).mkdir(parents=True, exist_ok=True)
   base = os.path.join(folder, f"{os.path.basename(os.path.dirname(path))}-{os.path.basename(path)}")
   target, k = base, 1
-  while os.path.exists(target):
+  while paths.path(target).exists() or paths.path(target + ".txt").exists():
     target, k = f"{base}-{k}", k + 1
-  os.rename(path, target)
+  # Written first, it also makes the folder, which in a bucket exists only once it holds a file.
+  paths.path(target + ".txt").write_text(f"{path} was unreadable: {reason}\n")
+  paths.path(path).rename(target)
   return target
 
 
 def workdir_created(workdir):
-  """Make the workdir; returns the topmost folder this made (None if it existed), for remove_if_empty."""
+  """Make the workdir; returns the topmost folder this made (None if it existed), for remove_if_empty.
+  A bucket has no folders to make (or to remove: one without files does not exist)."""
+  if paths.is_url(workdir):
+    return None
   top, parent = None, os.path.abspath(workdir)
   while not os.path.exists(parent):
     top, parent = parent, os.path.dirname(parent)
