@@ -5,13 +5,14 @@ the flags, the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID vari
 cluster (SLURM's srun, Open MPI's mpirun, a Cloud TPU VM, an indexed Kubernetes Job) say there
 are several processes; docs/launch.md has a recipe for each. On CPU the hosts talk over gloo.
 
-Shared files (metrics, the tokenizer, an export's config) are written by process 0 only; the
-others wait at a `barrier`. A step that may fail on process 0 alone (the workdir lock, a write)
-runs through `on_primary`, which raises the same error on every process, so no host is left
-waiting for a collective that never comes.
+Shared files (metrics, the tokenizer, an export's config, a token store) are written by process 0
+only. A step that may fail on process 0 alone (the workdir lock, a write, a whole prepare) runs
+through `on_primary`: the others wait for its outcome, for as long as it takes, and its error is
+raised on every process, so no host is left waiting for a collective that never comes.
 """
 import importlib.util
 import glob
+import itertools
 import os
 import signal
 
@@ -129,22 +130,50 @@ def broadcast_bytes(data):
   return np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes()
 
 
+_ON_PRIMARY = itertools.count()  # every process calls on_primary in the same order: call k is key k
+WAIT_SLICE_MS = 60_000
+
+
 def on_primary(fn, *errors):
-  """fn() on process 0 only; an error of the kinds `errors` it raises is raised on every process
-  (as the same class, with the same message), so all stop together. Returns fn's result on 0."""
-  result = None
+  """fn() on process 0 only; the others wait for its outcome however long it takes (a prepare may
+  take hours). An error of the kinds `errors` it raises is raised on
+  every process (as the same class, with the same message), any other as a RuntimeError naming
+  it, so all stop together. Returns fn's result on process 0, None elsewhere.
+
+  The outcome goes through the key-value store of JAX's coordination service, not a device
+  collective (which cannot be bounded or cancelled, and whose backend timeout, where it has one,
+  is fatal): process 0 writes it, the others read it on the host, waiting in slices of
+  WAIT_SLICE_MS. If process 0 dies instead, the service (which runs in it) ends the others.
+  """
+  if jax.process_count() == 1:
+    return fn()
+  key, client = f"latent_jax/on_primary/{next(_ON_PRIMARY)}", coordination_client()
   if is_primary():
     try:
       result = fn()
-    except errors as e:
-      if jax.process_count() > 1:
-        broadcast_bytes(f"{type(e).__name__}\n{e}".encode())
+    except BaseException as e:
+      client.key_value_set(key, f"{type(e).__name__}\n{e}")
       raise
-  message = broadcast_bytes(b"ok")
-  if message != b"ok":
-    name, text = message.decode().split("\n", 1)
-    raise {e.__name__: e for e in errors}[name](text)
-  return result
+    client.key_value_set(key, "ok")
+    return result
+  while True:
+    try:
+      message = client.blocking_key_value_get(key, WAIT_SLICE_MS)
+      break
+    except jax.errors.JaxRuntimeError as e:
+      if "DEADLINE_EXCEEDED" not in str(e):
+        raise
+  if message != "ok":
+    name, text = message.split("\n", 1)
+    kinds = {e.__name__: e for e in errors}
+    raise kinds[name](text) if name in kinds else RuntimeError(f"process 0 failed: {name}: {text}")
+  return None
+
+
+def coordination_client():
+  """The client of JAX's coordination service (jax has no public accessor; Orbax reads it the same way)."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  return jax_distributed.global_state.client
 
 
 class StopRequests:

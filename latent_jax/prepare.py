@@ -15,12 +15,17 @@ training then reads lazily: --config.data.source=DIR. Four steps:
 A killed prepare continues where it stopped when run again with the same --out (finished shards
 are kept, the rest are written whole); a finished store is never overwritten. `--verify` reads a
 finished store's checksums again. --out and the sources may be in a bucket (gs://...).
+
+On several hosts (the multi-host flags, as for train) every process runs the same command:
+process 0 prepares the store, the others wait for it (however long it takes), then check that
+they see it; an error on process 0 stops every process with its message.
 """
 import heapq
 import multiprocessing
 import os
 import time
 
+import jax
 import numpy as np
 import tqdm
 
@@ -175,7 +180,7 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
                      "text, or check data.doc_separator.")
   held = held_out(np.frombuffer(b"".join(s["keys"] for s in scans), np.uint8).reshape(-1, 32), d.val_fraction)
   train_sample = [doc for _, i, _, doc in sorted(sample, key=lambda s: s[1]) if not held[i]]
-  tok = load_or_train_tokenizer(d, cfg.model.vocab_size, out, train_sample)
+  tok = load_or_train_tokenizer(d, cfg.model.vocab_size, out, train_sample, shared=False)  # on process 0 alone
   paths.write_atomic(os.path.join(out, tok.filename), lambda f: f.write(tok.proto))
   origin = (f"data.tokenizer={given}" if given else
             f"SentencePiece BPE trained on {len(train_sample):,} training documents "
@@ -273,6 +278,22 @@ class _nothing:
     return False
 
 
+def verify(out):
+  manifest, _ = store.open_store(out)
+  store.verify(out, manifest)
+  print(f"{out}: {len(manifest['shards'])} shards match their checksums")
+
+
+def check_visible(out):
+  """On a process other than 0, once process 0 has written the store: it must be visible here too."""
+  try:
+    manifest, _ = store.open_store(out)
+  except (ValueError, OSError) as e:
+    raise ValueError(f"process {jax.process_index()} does not see the store process 0 wrote at {out} ({e}); write it "
+                     "where every host reads it: a shared file system or a bucket (gs://..., or its FUSE mount).") from None
+  print(f"process {jax.process_index()}: {out} holds the finished store of process 0 ({len(manifest['shards'])} shards)")
+
+
 FLAGS = [cli.Flag("config", str, None, "config file (data.*, model.vocab_size); --config.a.b=v overrides a field"),
          cli.Flag("out", str, cli.REQUIRED, "the store's folder: new, or an unfinished store to resume"),
          cli.Flag("workers", int, os.cpu_count(), "tokenising processes", lambda n: n >= 1, ">= 1"),
@@ -286,19 +307,17 @@ def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    if distributed.joined():
-      raise ValueError("prepare writes a store from one process (with --workers tokenising in parallel); run it "
-                       "once, on one host, without --num_processes: every host of a training then reads the store.")
     if args.verify:
-      manifest, _ = store.open_store(args.out)
-      store.verify(args.out, manifest)
-      print(f"{args.out}: {len(manifest['shards'])} shards match their checksums")
+      distributed.on_primary(lambda: verify(args.out), *cli.EXPECTED)
       return
     if args.config is None:
       raise ValueError("missing --config (see --help).")
     cfg = load_config(args.config, args.overrides)
     validate(cfg)
-    prepare(cfg, args.out, args.workers, args.shard_mb, args.sample_mb)
+    distributed.on_primary(lambda: prepare(cfg, args.out, args.workers, args.shard_mb, args.sample_mb), *cli.EXPECTED)
+    if not distributed.is_primary():
+      check_visible(args.out)
+
 
 if __name__ == "__main__":
   main()

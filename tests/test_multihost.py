@@ -74,9 +74,24 @@ def drop_last_checkpoint(src, dst):
   shutil.rmtree(os.path.join(dst, "checkpoints", str(STEPS)))
 
 
-def test_two_processes_train_resume_across_process_counts_and_export(tmp_path, corpus_dir):
+def prepare(corpus, out, processes):
+  return launch("latent_jax.prepare", processes, 1, "--config", TINY, "--config.model.vocab_size=320",
+                f"--config.data.source={corpus}", "--out", str(out), "--workers=1")
+
+
+def test_two_processes_prepare_then_train_resume_across_process_counts_and_export(tmp_path, corpus_dir):
+  # Both processes run prepare: process 0 writes the store, process 1 waits for it, then sees it.
+  store = tmp_path / "store"
+  outs = finish(prepare(corpus_dir, store, 2))
+  assert f"{store}: " in outs[0] and f"process 1: {store} holds the finished store of process 0" in outs[1]
+  procs = prepare(corpus_dir, store, 2)  # an error on process 0 (a finished store) stops both, with its message
+  for p in procs:
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 2 and f"error: --out {store} is a finished token store" in out, out
+
+  # Training from the store: each host reads its own rows; 2 processes match 1.
   one, two = tmp_path / "one", tmp_path / "two"
-  outs = finish(train(one, corpus_dir, 1) + train(two, corpus_dir, 2))
+  outs = finish(train(one, store, 1) + train(two, store, 2))
   assert "process 0 of 1: 4 local / 4 global cpu devices; mesh data=1 fsdp=4 tensor=1" in outs[0]
   assert "process 1 of 2: 2 local / 4 global cpu devices; mesh data=1 fsdp=4 tensor=1" in outs[2]
   assert "params" not in outs[2]  # process 1 prints no header, summary or progress
@@ -90,7 +105,7 @@ def test_two_processes_train_resume_across_process_counts_and_export(tmp_path, c
   # Resume from step 4 with another process count: a 2-process checkpoint on 1, a 1-process one on 2.
   for src, processes, name in ((two, 1, "two_then_one"), (one, 2, "one_then_two")):
     drop_last_checkpoint(src, tmp_path / name)
-    out = finish(train(tmp_path / name, corpus_dir, processes))[0]
+    out = finish(train(tmp_path / name, store, processes))[0]
     assert f"resumed from {tmp_path / name / 'checkpoints' / '4'}" in out
     assert_same_params(one, tmp_path / name)
 

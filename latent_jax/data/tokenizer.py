@@ -198,10 +198,11 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int) -> bytes:
 
 
 def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs: Sequence[str],
-                            source: Tokenizer | None = None) -> Tokenizer:
+                            source: Tokenizer | None = None, shared: bool = True) -> Tokenizer:
   """`data.tokenizer` if given, else the workdir's tokenizer file if present, else `source` (the
-  tokenizer of train.init_from), else SentencePiece trained on `train_docs`. One not yet in the
-  workdir is `new` there: `save()` keeps a copy under its kind's file name.
+  tokenizer of train.init_from), else SentencePiece trained on `train_docs`: by process 0 and sent
+  to every process when `shared`, else here (prepare, which runs on process 0 alone). One not
+  yet in the workdir is `new` there: `save()` keeps a copy under its kind's file name.
 
   A workdir's tokenizer is never retrained: a resumed run must see the same ids.
   """
@@ -229,9 +230,9 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
     tok, origin = Tokenizer(os.path.join(workdir, source.filename), source.proto), f"train.init_from's {source.path}"
   else:
     # Trained once, by process 0, and sent to the others: every host must see the same ids.
+    proto = train_tokenizer(train_docs, vocab_size) if not shared or distributed.is_primary() else b""
     tok = Tokenizer(os.path.join(workdir, TOKENIZER_FILES["sentencepiece"]),
-                    distributed.broadcast_bytes(train_tokenizer(train_docs, vocab_size) if distributed.is_primary()
-                                                else b""))
+                    distributed.broadcast_bytes(proto) if shared else proto)
     origin = "the tokenizer trained on data.source (whose text holds no more BPE merges)"
   check_vocab(tok, vocab_size, origin, fixed=bool(given))
   return tok
