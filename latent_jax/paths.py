@@ -5,7 +5,7 @@ behaves as with os.path (`~` expanded, made absolute where it was); a URL is kep
 where os.path would turn `gs://b/x` into the local `./gs:/b/x`. epath reads `gs://` through
 fsspec and gcsfs, without TensorFlow: `pip install "latent_jax[gcs]"` (docs/data.md).
 
-What a bucket cannot do is handled where it is done: memory-mapped token shards
+What a bucket cannot do is handled where it is done: token shards read a window at a time
 (data/pipeline.py: mount the bucket with Cloud Storage FUSE), the workdir lock (train/workdir.py:
 a bucket workdir is not locked) and appends (train/metrics.py).
 """

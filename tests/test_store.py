@@ -123,6 +123,14 @@ def test_store_errors(sources, store_dir, tmp_path):
   shard.write_bytes(bytes(raw[:-2]))
   with pytest.raises(ValueError, match=r"00002\.train\.npy has \d+ bytes, not \d+: the token store is damaged"):
     build_data(tiny_config(str(damaged)), str(tmp_path / "w0"))
+  # Damage that keeps the size shows at the first read of the shard, naming it.
+  np.save(shard, np.frombuffer(bytes(raw), np.uint16, offset=128).view(np.int16))
+  data = build_data(tiny_config(str(damaged)), str(tmp_path / "w0"))
+  with pytest.raises(ValueError, match=r"00002\.train\.npy: holds int16 \(\d+,\), but the manifest says uint16"):
+    np.asarray(data.train_tokens)
+  os.remove(damaged / store.SHARDS / "00000.train.npy")
+  with pytest.raises(ValueError, match=r"00000\.train\.npy: unreadable token shard .*prepare --verify"):
+    data.train_tokens[:5]
   # A store is read with its own tokenizer: another one in data.tokenizer or the workdir is refused.
   other = tmp_path / "other"
   other.mkdir()
@@ -229,7 +237,7 @@ def test_prepare_train_data_and_metrics_in_a_bucket(sources, store_dir, bucket, 
     assert there[key] == here[key], key
   prepare_lib.main(["--verify", "--out", out])
   assert f"{len(there['shards'])} shards match their checksums" in capsys.readouterr().out
-  with pytest.raises(ValueError, match=r"memory-maps a token store's shards.*mount the bucket"):
+  with pytest.raises(ValueError, match=r"reads a token store.s shards.*mount the bucket"):
     build_data(tiny_config(out), str(tmp_path / "w"))
 
   # Text in a bucket, a run in a bucket: the same stream as the local store; the tokenizer lands there.

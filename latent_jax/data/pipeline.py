@@ -219,9 +219,9 @@ def build_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
 def open_store_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:
   """A token store's streams (read on demand) and tokenizer, checked against the config."""
   d, directory = cfg.data, paths.expand(cfg.data.source)
-  if paths.is_url(directory):  # an object cannot be memory-mapped, and a request per window costs a round trip per row
-    raise ValueError(f"data.source: training memory-maps a token store's shards, which needs a file system: mount the "
-                     f"bucket (e.g. gcsfuse --implicit-dirs BUCKET /mnt/BUCKET, on every host) and set data.source to "
+  if paths.is_url(directory):  # a ranged request per window would cost a round trip per row
+    raise ValueError(f"data.source: training reads a token store's shards a window at a time (pread), which needs a "
+                     f"file system: mount the bucket (e.g. gcsfuse --implicit-dirs BUCKET /mnt/BUCKET, on every host) and set data.source to "
                      f"the store's path under the mount, not {directory} (docs/data.md).")
   manifest, streams = store.open_store(directory)
   for field in ("val_fraction", "doc_separator"):

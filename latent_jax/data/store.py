@@ -11,18 +11,18 @@
 
 A split's stream is its shards' arrays concatenated in shard order, which is corpus order, so it
 is exactly the stream `token_stream` builds in memory from the same documents (pipeline.py).
-The arrays are plain .npy files, opened with `np.load(mmap_mode="r")`: a training window is a
-slice, read from the page cache on demand, so memory and start-up do not grow with the corpus,
-and each host touches only the pages of its own rows. (ArrayRecord would add a dependency and a
-record per document or window, with a decode per read; windows cut across documents are simpler
-as slices of a flat array.) Token ids take the narrowest dtype that holds the vocabulary.
+The arrays are plain .npy files: a training window is a slice, read on demand with one `pread`
+(not memory-mapped: see ShardedTokens), so memory and start-up do not grow with the corpus, and
+each host reads only its own rows. (ArrayRecord would add a dependency and a record per document
+or window, with a decode per read; windows cut across documents are simpler as slices of a flat
+array.) Token ids take the narrowest dtype that holds the vocabulary.
 
 Opening a store checks that every shard file is there at its recorded size (cheap);
 the full checksums are read by `python -m latent_jax.prepare --verify --out DIR`, and at the end
 of every prepare.
 
-DIR may be in a bucket (`gs://...`, paths.py) for prepare and --verify; training memory-maps
-the shards, so it reads a bucket's store through a file system mount (docs/data.md).
+DIR may be in a bucket (`gs://...`, paths.py) for prepare and --verify; training preads windows
+of the shard files, so it reads a bucket's store through a file system mount (docs/data.md).
 """
 from __future__ import annotations
 
@@ -106,10 +106,14 @@ def verify(directory: str, manifest: dict):
 
 
 class ShardedTokens:
-  """One split's token stream over its shard files, each opened (memory-mapped) on first use.
+  """One split's token stream over its shard files, read on demand.
 
-  Supports len(), `.size`, contiguous slices (which copy only what they cover) and np.asarray
-  (which reads it all: for small streams). Pickles as its file names, not its data.
+  Supports len(), `.size`, contiguous slices (which read only what they cover) and np.asarray
+  (which reads it all: for small streams). Pickles as its file names. A slice is read with
+  `os.preadv` into a fresh array, each file opened for the read: not memory-mapped, since a map
+  keeps every page it touched resident, and the kernel maps a whole page-cache folio (up to
+  megabytes) around each random window, so a training's RSS would grow towards the store's size;
+  and no file stays open, so a store of any number of shards needs no more file descriptors.
   """
 
   def __init__(self, paths: list[str], lengths: list[int], dtype: np.dtype):
@@ -117,44 +121,65 @@ class ShardedTokens:
     self.ends = np.cumsum(np.asarray(self.lengths, np.int64))
     self.size = int(self.ends[-1]) if len(self.ends) else 0
     self.shape = (self.size,)
-    self._open: dict[int, np.ndarray] = {}
+    self._offsets: dict[int, int] = {}  # shard -> where its tokens start in the file (after the .npy header)
 
   def __len__(self) -> int:
     return self.size
 
-  def __getstate__(self):
-    return {**self.__dict__, "_open": {}}
-
-  def shard(self, i: int) -> np.ndarray:
-    array = self._open.get(i)
-    if array is None:
+  def offset(self, i: int) -> int:
+    """Where shard i's tokens start in its file; its .npy header is checked on first use."""
+    if i not in self._offsets:
       path = self.paths[i]
       try:
-        array = np.load(path, mmap_mode="r")
+        with open(path, "rb") as f:
+          version = np.lib.format.read_magic(f)
+          header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+          shape, _, dtype = header(f)
+          offset = f.tell()
       except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable token shard ({e}); run python -m latent_jax.prepare --verify "
-                         f"--out {os.path.dirname(os.path.dirname(path))}, or prepare the store again.") from None
-      if array.dtype != self.dtype or array.shape != (self.lengths[i],):
-        raise ValueError(f"{path}: holds {array.dtype} {array.shape}, but the manifest says {self.dtype} "
+        raise unreadable(path, e) from None
+      if dtype != self.dtype or shape != (self.lengths[i],):
+        raise ValueError(f"{path}: holds {dtype} {shape}, but the manifest says {self.dtype} "
                          f"({self.lengths[i]},); the store is damaged: prepare it again.")
-      self._open[i] = array
-    return array
+      self._offsets[i] = offset
+    return self._offsets[i]
+
+  def read(self, i: int, start: int, out: np.ndarray):
+    """Tokens start .. start + len(out) of shard i into `out`."""
+    view, at = memoryview(out).cast("B"), self.offset(i) + start * self.dtype.itemsize
+    try:
+      fd = os.open(self.paths[i], os.O_RDONLY)
+      try:
+        while view.nbytes:  # a read may return less than asked
+          got = os.preadv(fd, [view], at)
+          if not got:
+            raise EOFError("the file ends early")
+          view, at = view[got:], at + got
+      finally:
+        os.close(fd)
+    except (OSError, EOFError) as e:
+      raise unreadable(self.paths[i], e) from None
 
   def __getitem__(self, key):
     if not isinstance(key, slice) or key.step not in (None, 1):
       raise TypeError("ShardedTokens supports contiguous slices only.")
     start, stop, _ = key.indices(self.size)
-    parts = []
-    i = int(np.searchsorted(self.ends, start, side="right"))
+    out = np.empty(max(0, stop - start), self.dtype)
+    i, at = int(np.searchsorted(self.ends, start, side="right")), 0
     while start < stop:
       first = int(self.ends[i - 1]) if i else 0
       end = min(stop, int(self.ends[i]))
-      parts.append(self.shard(i)[start - first:end - first])
-      start, i = end, i + 1
-    return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+      self.read(i, start - first, out[at:at + end - start])
+      at, start, i = at + end - start, end, i + 1
+    return out
 
   def __array__(self, dtype=None, copy=None):
     return self[:] if dtype is None else self[:].astype(dtype)
+
+
+def unreadable(path: str, error: Exception) -> ValueError:
+  return ValueError(f"{path}: unreadable token shard ({error}); run python -m latent_jax.prepare --verify "
+                    f"--out {os.path.dirname(os.path.dirname(path))}, or prepare the store again.")
 
 
 def open_store(directory: str) -> tuple[dict, dict[str, ShardedTokens]]:
