@@ -45,7 +45,7 @@ class MTPBlock(nnx.Module):
 
   def __call__(self, h, next_embeddings, positions, segment_ids):
     """h [B, T, d] the main model's last state at t, next_embeddings [B, T, d] Emb(x_{t+1}) -> [B, T, d]."""
-    x = jnp.concatenate([self.h_norm(h), self.e_norm(next_embeddings)], -1) @ self.proj[...].astype(self.dtype)
+    x = T.linear(jnp.concatenate([self.h_norm(h), self.e_norm(next_embeddings)], -1), self.proj[...].astype(self.dtype))
     x = constrain(x, TOKENS)
     x, _ = self.block(x, positions, segment_ids, T.NO_WINDOW)
     return self.norm(x)

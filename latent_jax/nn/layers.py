@@ -74,7 +74,7 @@ class Attention(nnx.Module):
     h, k, hd = self.shape
     b, t, _ = x.shape
     w = lambda p: p[...].astype(self.dtype)
-    q, key, val = x @ w(self.q), x @ w(self.k), x @ w(self.v)
+    q, key, val = (T.linear(x, w(p)) for p in (self.q, self.k, self.v))
     if self.qk_norm == "layer":
       q, key = self.q_norm(q), self.k_norm(key)
     q = constrain(q.reshape(b, t, h, hd), ("batch", "length", "heads", "head_dim"))
@@ -92,7 +92,7 @@ class Attention(nnx.Module):
       mask = T.attention_mask(positions, pos, segment_ids, jnp.zeros_like(pos) + segment_ids[:, :1], window)
       out = T.attention(q, key.astype(self.dtype), val.astype(self.dtype), mask)
     out = constrain(out.reshape(b, t, h * hd), ("batch", "length", "heads"))
-    return out @ w(self.o), cache
+    return T.linear(out, w(self.o)), cache
 
 
 class MLP(nnx.Module):

@@ -155,7 +155,7 @@ def irc_weights(update, w1, w2, latest, softmax=False):
   No softmax by default (the paper: weights may be negative); softmax=True normalises over the
   slots up to `latest` (the released decoder's option, which is not an exact residual at init).
   """
-  logits = jax.nn.gelu(update @ w1, approximate=False) @ w2
+  logits = T.linear(jax.nn.gelu(T.linear(update, w1), approximate=False), w2)
   slots = jnp.arange(w2.shape[-1])
   logits = logits + (slots == latest).astype(logits.dtype)
   if softmax:
@@ -175,7 +175,7 @@ def cross_module_residual(target, sources, w1, w2, scale):
   target [B, T, d]; sources [K, B, T, d] already normalised (LN(S_j)) and aligned to the
   target's positions; w1 [d, h], w2 [h, K], scale D [d].
   """
-  alpha = jax.nn.softmax(jax.nn.gelu(target @ w1, approximate=False) @ w2, axis=-1)  # [B, T, K]
+  alpha = jax.nn.softmax(T.linear(jax.nn.gelu(T.linear(target, w1), approximate=False), w2), axis=-1)  # [B, T, K]
   return target + scale * jnp.einsum("btk,kbtd->btd", alpha.astype(sources.dtype), sources)
 
 
