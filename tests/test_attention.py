@@ -85,8 +85,9 @@ def test_blocked_skips_blocks_and_pads():
 
 
 def test_auto_is_dense_for_one_block_then_the_backend_kernel():
-  assert [A.resolve("auto", 128, 128, b) for b in ("cpu", "tpu", "gpu")] == ["dense"] * 3
-  assert [A.resolve("auto", 129, 128, b) for b in ("cpu", "tpu", "gpu")] == ["xla_blocked", "pallas_tpu", "pallas_gpu"]
+  assert [A.resolve("auto", A.BLOCK, b) for b in ("cpu", "tpu", "gpu")] == ["dense"] * 3
+  assert [A.resolve("auto", A.BLOCK + 1, b) for b in ("cpu", "tpu", "gpu")] == ["xla_blocked", "pallas_tpu", "pallas_gpu"]
+  assert [A.block_size(t) for t in (65, 256, 512, 8192)] == [A.MIN_BLOCK, 64, A.BLOCK, A.BLOCK]
 
 
 def test_blocked_traced_window_under_scan():

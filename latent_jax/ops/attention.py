@@ -1,6 +1,6 @@
 """Causal, sliding-window, document-masked GQA self-attention, one function and a chooser `impl`.
 
-    attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK, windows=(NO_WINDOW,))
+    attention(q, k, v, segment_ids, positions, window, impl="auto", block=None, windows=(NO_WINDOW,))
     q [B, T, H, D], k/v [B, T, K, D], segment_ids/positions [B, T] int, window int (may be traced)
 
 A query sees a key iff both are in the same segment, the key's position is <= the query's and
@@ -14,9 +14,10 @@ closer than `window` (`transformer.attention_mask`). Implementations (IMPLS):
                and segment ids, one kernel per static window size in `windows`.
   pallas_gpu   full-causal layers: jax's Pallas (Triton) flash attention with segment ids;
                windowed layers: xla_blocked (that kernel has no window; docs/kernels.md).
-  auto         dense when T fits in one block (there the blocked loop only adds overhead:
-               1.3x dense at T = 128 on CPU, docs/kernels.md); beyond it pallas_tpu on TPU,
-               pallas_gpu on GPU, xla_blocked elsewhere. The Pallas kernels have been run
+  auto         dense when T <= BLOCK; beyond it pallas_tpu on TPU, pallas_gpu on GPU,
+               xla_blocked elsewhere. (On CPU xla_blocked already runs in 0.70x dense's
+               time at T = 128, but compiles 1.1-1.7 s slower for the tiny configs' steps,
+               more than a short run at that size gains; docs/kernels.md.) The Pallas kernels have been run
                interpreted and lowered only, never compiled on a TPU or GPU (docs/kernels.md).
 
 The Pallas kernels mask by sequence index; they run only where that equals the mask by
@@ -37,7 +38,8 @@ from latent_jax.train.sharding import per_batch_shard
 from pallas_kernels._common import backend as kernel_backend
 
 IMPLS = ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu")
-BLOCK = 128  # query and key block of xla_blocked: the fastest of 64..512 at T >= 2048 on CPU (docs/kernels.md)
+BLOCK = 128  # xla_blocked's block from T = 512 on, within noise of the best on CPU (docs/kernels.md)
+MIN_BLOCK = 64  # ... and the smallest it takes for shorter rows (block_size)
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite -inf: exp underflows to 0, 0 * MASK is 0
 
 
@@ -65,26 +67,29 @@ def block_visible(i, j, block, window):
 
 def block_scores(q, k, seg_q, seg_k, pos_q, pos_k, window):
   """Scaled fp32 scores [B, K, G, bq, bk] of one block pair and its mask [B, 1, 1, bq, bk]."""
-  s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+  s = jnp.einsum("bkgqd,bksd->bkgqs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
   mask = T.attention_mask(pos_q, pos_k, seg_q, seg_k, window)[:, None, None]
   return jnp.where(mask, s, MASK), mask
 
 
-def split_blocks(x, block):
-  """[B, n * block, ...] -> [n, B, block, ...] (the loop axis first)."""
-  return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
+def split_blocks(x, block, axis):
+  """Split `axis` (n * block long) into blocks, the block index first: [n, ..., block, ...]."""
+  return jnp.moveaxis(x.reshape(*x.shape[:axis], -1, block, *x.shape[axis + 1:]), axis, 0)
 
 
-def merge_blocks(x):
-  """[n, B, block, ...] -> [B, n * block, ...]."""
-  x = jnp.moveaxis(x, 0, 1)
-  return x.reshape(x.shape[0], -1, *x.shape[3:])
+def merge_blocks(x, axis):
+  """The inverse of split_blocks: [n, ..., block, ...] -> [..., n * block, ...] at `axis`."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
 
 
+# Inside the loops q, out and their gradients are head-major [B, K, G, T, D] and k, v [B, K, T, D]:
+# every block product is then a plain batched matmul over (B, K), with no per-block transposes.
 def blocked_forward(q, k, v, seg, pos, window, block):
-  """Flash-attention forward: out [B, T, K, G, D] and lse [B, K, G, T] (fp32)."""
-  qs, ks, vs, segs, poss = (split_blocks(a, block) for a in (q, k, v, seg, pos))
-  b, _, kh, g, d = q.shape
+  """Flash-attention forward: out [B, K, G, T, D] and lse [B, K, G, T] (fp32)."""
+  qs, ks, vs = split_blocks(q, block, 3), split_blocks(k, block, 2), split_blocks(v, block, 2)
+  segs, poss = split_blocks(seg, block, 1), split_blocks(pos, block, 1)
+  b, kh, g, _, d = q.shape
 
   def query_block(i):
     qi, seg_i, pos_i = qs[i], segs[i], poss[i]
@@ -96,29 +101,27 @@ def blocked_forward(q, k, v, seg, pos, window, block):
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         scale = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), vs[j], preferred_element_type=jnp.float32)
-        acc = acc * jnp.moveaxis(scale, -1, 1)[..., None] + pv
-        return m_new, l * scale + p.sum(-1), acc
+        pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vs[j], preferred_element_type=jnp.float32)
+        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
       return lax.cond(block_visible(i, j, block, window), update, lambda c: c, carry), None
 
     init = (jnp.full((b, kh, g, block), MASK, jnp.float32), jnp.zeros((b, kh, g, block), jnp.float32),
-            jnp.zeros((b, block, kh, g, d), jnp.float32))
+            jnp.zeros((b, kh, g, block, d), jnp.float32))
     (m, l, acc), _ = lax.scan(key_block, init, jnp.arange(len(ks)))
     l = jnp.where(l == 0, 1.0, l)  # a row that sees no key (block padding) gets 0
-    return (acc / jnp.moveaxis(l, -1, 1)[..., None]).astype(q.dtype), m + jnp.log(l)
+    return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
   out, lse = lax.map(query_block, jnp.arange(len(qs)))
-  return merge_blocks(out), jnp.moveaxis(lse, 0, 3).reshape(b, kh, g, -1)
+  return merge_blocks(out, 3), merge_blocks(lse, 3)
 
 
 def blocked_backward(q, k, v, seg, pos, window, block, out, lse, dout):
   """Flash-attention backward, one pass: for each key block, loop over the query blocks that
   see it, accumulating dk, dv for the block and dq for every query block (recomputing p)."""
   scale = q.shape[-1] ** -0.5
-  delta = jnp.einsum("bqkgd,bqkgd->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32))
-  qs, dos, segs, poss = (split_blocks(a, block) for a in (q, dout, seg, pos))
-  ks, vs = split_blocks(k, block), split_blocks(v, block)
-  lses, deltas = (jnp.moveaxis(a.reshape(*a.shape[:3], -1, block), 3, 0) for a in (lse, delta))
+  delta = jnp.einsum("bkgqd,bkgqd->bkgq", dout.astype(jnp.float32), out.astype(jnp.float32))
+  qs, dos, ks, vs = split_blocks(q, block, 3), split_blocks(dout, block, 3), split_blocks(k, block, 2), split_blocks(v, block, 2)
+  segs, poss, lses, deltas = split_blocks(seg, block, 1), split_blocks(pos, block, 1), split_blocks(lse, block, 3), split_blocks(delta, block, 3)
 
   def key_block(dq, j):
     kj, vj = ks[j], vs[j]
@@ -128,11 +131,11 @@ def blocked_backward(q, k, v, seg, pos, window, block, out, lse, dout):
         dk, dv, dq = carry
         s, mask = block_scores(qs[i], kj, segs[i], segs[j], poss[i], poss[j], window)
         p = jnp.where(mask, jnp.exp(s - lses[i][..., None]), 0.0)                         # [b,k,g,q,s]
-        dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(dos.dtype), dos[i], preferred_element_type=jnp.float32)
-        dp = jnp.einsum("bqkgd,bskd->bkgqs", dos[i], vj, preferred_element_type=jnp.float32)
+        dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p.astype(dos.dtype), dos[i], preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgqd,bksd->bkgqs", dos[i], vj, preferred_element_type=jnp.float32)
         ds = (p * (dp - deltas[i][..., None]) * scale).astype(q.dtype)
-        dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds, qs[i], preferred_element_type=jnp.float32)
-        dq = dq.at[i].add(jnp.einsum("bkgqs,bskd->bqkgd", ds, kj, preferred_element_type=jnp.float32))
+        dk = dk + jnp.einsum("bkgqs,bkgqd->bksd", ds, qs[i], preferred_element_type=jnp.float32)
+        dq = dq.at[i].add(jnp.einsum("bkgqs,bksd->bkgqd", ds, kj, preferred_element_type=jnp.float32))
         return dk, dv, dq
       return lax.cond(block_visible(i, j, block, window), update, lambda c: c, carry), None
 
@@ -141,7 +144,7 @@ def blocked_backward(q, k, v, seg, pos, window, block, out, lse, dout):
     return dq, (dk, dv)
 
   dq, (dk, dv) = lax.scan(key_block, jnp.zeros(qs.shape, jnp.float32), jnp.arange(len(ks)))
-  return (merge_blocks(dq).astype(q.dtype), merge_blocks(dk).astype(k.dtype), merge_blocks(dv).astype(v.dtype))
+  return merge_blocks(dq, 3).astype(q.dtype), merge_blocks(dk, 2).astype(k.dtype), merge_blocks(dv, 2).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -174,10 +177,18 @@ def blocked_attention(q, k, v, segment_ids, positions, window, block=BLOCK):
     widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
     q, k, v, positions = (jnp.pad(x, widths(x)) for x in (q, k, v, positions))
     segment_ids = jnp.pad(segment_ids, widths(segment_ids), constant_values=-1)
-  q = q.reshape(b, t + pad, kh, h // kh, d)
+  q = q.reshape(b, t + pad, kh, h // kh, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
+  k, v = (x.transpose(0, 2, 1, 3) for x in (k, v))                   # [B, K, T, D]
   window = jnp.asarray(window, jnp.int32)
   out = _blocked(q, k, v, segment_ids.astype(jnp.int32), positions.astype(jnp.int32), window, block)
-  return out.reshape(b, t + pad, h, d)[:, :t]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t + pad, h, d)[:, :t]
+
+
+def block_size(seq_len):
+  """xla_blocked's block for rows of seq_len tokens: BLOCK, or seq_len / 4 (at least MIN_BLOCK) if
+  smaller, so a short row still has blocks above the diagonal to skip: 16 x 256 tokens took
+  0.79x the time in blocks of 64 as in blocks of 128 (docs/kernels.md)."""
+  return min(BLOCK, max(MIN_BLOCK, seq_len // 4))
 
 
 # ------------------------------------------------------------------------- Pallas kernels
@@ -262,24 +273,26 @@ def gpu_attention(q, k, v, segment_ids, positions, window, block, interpret):
 AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # beyond one block; xla_blocked elsewhere
 
 
-def resolve(impl, seq_len, block=BLOCK, backend=None):
-  """The implementation `impl` names; "auto": dense up to one block, then by backend (AUTO)."""
+def resolve(impl, seq_len, backend=None):
+  """The implementation `impl` names; "auto": dense up to BLOCK tokens, then by backend (AUTO)."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
   if impl == "auto":
-    return "dense" if seq_len <= block else AUTO.get(backend or kernel_backend(), "xla_blocked")
+    return "dense" if seq_len <= BLOCK else AUTO.get(backend or kernel_backend(), "xla_blocked")
   return impl
 
 
-def attention(q, k, v, segment_ids, positions, window, impl="auto", block=BLOCK, windows=(T.NO_WINDOW,)):
+def attention(q, k, v, segment_ids, positions, window, impl="auto", block=None, windows=(T.NO_WINDOW,)):
   """Causal, windowed, document-masked GQA: q [B,T,H,D], k/v [B,T,K,D] -> [B,T,H,D].
 
-  `windows` (pallas_tpu only): the static sizes the traced `window` can take.
+  `block`: xla_blocked's block (block_size(T) if None); `windows` (pallas_tpu only): the static
+  sizes the traced `window` can take.
   """
   if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
     raise ValueError(f"attention: q must be [B,T,H,D] and k, v [B,T,K,D] with K dividing H, "
                      f"got q {q.shape}, k {k.shape}, v {v.shape}")
-  impl = resolve(impl, q.shape[1], block)
+  impl = resolve(impl, q.shape[1])
+  block = block or block_size(q.shape[1])
   if impl == "dense":
     return dense_attention(q, k, v, segment_ids, positions, window)
   # The Pallas kernels run on each device's own rows: a Mosaic or Triton call is not partitioned
