@@ -14,6 +14,7 @@ def get_config(model="baseline"):
   c = tiny.get_config()
   c.model.update(vocab_size=8192, d_model=256, num_layers=4, num_heads=4, num_kv_heads=4, head_dim=64,
                  mlp_dim=683, qk_norm="none", block_order="pre", full_attention_every=1)
+  c.model.remat = "matmuls"  # faster on CPU than none: the scan stacks fewer residuals (docs/performance.md)
   c.data.update(seq_len=256, batch_size=16)
   c.optim.update(lr=1e-3, warmup_steps=100)
   return tiny_ncp.add_ncp(c) if model == "ncp" else c
