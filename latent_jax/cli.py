@@ -49,6 +49,8 @@ def errors(*more):
   try:
     yield
   except EXPECTED + more as e:
+    if not str(e).strip():  # no message: a bug, not bad input; its traceback says where
+      raise
     print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
     raise SystemExit(2) from None
 

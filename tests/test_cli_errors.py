@@ -1,5 +1,6 @@
 """Bad input on every command line: exit code 2, one `error: ...` line on stderr that names the flag,
 setting or path, no traceback, and nothing written."""
+import io
 import importlib
 import os
 import subprocess
@@ -8,6 +9,8 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY, TINY_OVERRIDES
+
+from latent_jax import cli
 
 CLIS = ("latent_jax.train.__main__", "latent_jax.eval", "latent_jax.generate", "latent_jax.export",
         "latent_jax.draft")
@@ -203,3 +206,12 @@ def test_a_real_process_behaves_as_main(extra, names, tmp_path, corpus_dir):
                         *[e.format(tmp=tmp_path) for e in extra]], cwd=ROOT, capture_output=True, text=True)
   check_one_error_line(out.returncode, out.stderr, names)
   assert os.listdir(tmp_path) == []
+
+
+def test_an_error_without_a_message_keeps_its_traceback(capsys):
+  """Bad input is one line and exit 2; an exception with no message is a bug, so it propagates."""
+  with pytest.raises(SystemExit) as stop, cli.errors():
+    raise ValueError("data.source: no such file")
+  assert stop.value.code == 2 and capsys.readouterr().err == "error: data.source: no such file\n"
+  with pytest.raises(io.UnsupportedOperation), cli.errors():
+    raise io.UnsupportedOperation()

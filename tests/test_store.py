@@ -160,6 +160,17 @@ def test_prepare_cli_one_line_errors(store_dir, tmp_path, capsys):
   assert "match their checksums" in capsys.readouterr().out
 
 
+def test_zst_jsonl_reads_the_documents_of_the_plain_jsonl(tmp_path):
+  """A .jsonl.zst (zstandard, in the test extra) streams line by line to the same documents."""
+  import zstandard
+  from latent_jax.data import corpus
+  lines = "".join(json.dumps({"text": f"document {i} " + "word " * i}) + "\n" for i in range(1, 300)).encode()
+  (tmp_path / "a.jsonl").write_bytes(lines)
+  (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+  plain = [d for d, _ in corpus.read_documents(str(tmp_path / "a.jsonl"))]
+  assert [d for d, _ in corpus.read_documents(str(tmp_path / "a.jsonl.zst"))] == plain and len(plain) == 299
+
+
 def test_parquet_without_text_column_names_the_file(tmp_path):
   """With pyarrow (the data extra): the missing column is named; without it: the extra is."""
   from latent_jax.data import load_documents

@@ -24,6 +24,7 @@ import glob
 import gzip
 import hashlib
 import importlib
+import io
 import json
 import os
 import re
@@ -120,8 +121,8 @@ def open_binary(path: str):
     if path.endswith(".gz"):
       with gzip.GzipFile(fileobj=raw) as f:
         yield f
-    elif zstandard:
-      with zstandard.open(raw, "rb") as f:
+    elif zstandard:  # buffered: zstandard's own reader cannot be iterated line by line
+      with io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)) as f:
         yield f
     else:
       yield raw
