@@ -143,8 +143,10 @@ def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # 140 s of the CI budget; the multi-host path is model-agnostic and the baseline tests above run in CI
 @pytest.mark.parametrize("config", ["tiny_ncp.py", "tiny_tst.py"])
 def test_concept_lm_and_tst_phase_switch_on_two_processes(tmp_path, corpus_dir, config):
+  """ConceptLM, and TST across its phase switch, train on 2 processes as on 1 (python -m pytest -m slow)."""
   extra = ["tst.r=0.5"] if "tst" in config else []
   config = os.path.join(ROOT, "configs", config)
   finish(train(tmp_path / "one", corpus_dir, 1, config=config, extra=extra)
