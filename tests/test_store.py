@@ -169,6 +169,9 @@ def test_zst_jsonl_reads_the_documents_of_the_plain_jsonl(tmp_path):
   (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
   plain = [d for d, _ in corpus.read_documents(str(tmp_path / "a.jsonl"))]
   assert [d for d, _ in corpus.read_documents(str(tmp_path / "a.jsonl.zst"))] == plain and len(plain) == 299
+  (tmp_path / "bad.jsonl.zst").write_bytes(lines[:100])  # not zstd at all
+  with pytest.raises(ValueError, match=r"bad\.jsonl\.zst is not a readable zstd file"):
+    list(corpus.read_documents(str(tmp_path / "bad.jsonl.zst")))
 
 
 def test_parquet_without_text_column_names_the_file(tmp_path):

@@ -122,8 +122,12 @@ def open_binary(path: str):
       with gzip.GzipFile(fileobj=raw) as f:
         yield f
     elif zstandard:  # buffered: zstandard's own reader cannot be iterated line by line
-      with io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)) as f:
-        yield f
+      try:
+        with io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw)) as f:
+          yield f
+      except zstandard.ZstdError as e:  # not an OSError, as gzip's errors are: name the file
+        raise ValueError(f"data.source: {path} is not a readable zstd file ({e}); recompress it or "
+                         "remove it from data.source.") from None
     else:
       yield raw
 
