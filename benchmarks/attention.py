@@ -4,7 +4,7 @@
                                    [--impls dense,xla_blocked] [--dtype float32]
 
 A shape is BxTxWINDOW (WINDOW 0 = full causal); heads 4, KV groups 2, head dim 32 unless
---heads/--groups/--dim say otherwise. Rows hold 2 documents each. xla_blocked runs once per
+--heads/--groups/--dim say otherwise. Rows hold --docs documents each (2 unless said). xla_blocked runs once per
 block size in --blocks; the first impl is the one the ratios divide by. The impls run call by
 call in turn, so a noisy shared machine slows them alike; read the ratios (docs/kernels.md).
 """
@@ -19,13 +19,15 @@ from latent_jax.ops import attention as A
 from latent_jax.ops.transformer import NO_WINDOW
 
 
-def inputs(b, t, h, kh, d, dtype):
+def inputs(b, t, h, kh, d, dtype, docs=2):
+  """q, k, v and the segment ids and positions of rows of `docs` equal documents."""
   ks = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(ks[0], (b, t, h, d), dtype)
   k, v = (jax.random.normal(x, (b, t, kh, d), dtype) for x in ks[1:])
-  seg = np.where(np.arange(t) < t // 3, 1, 2) * np.ones((b, 1), np.int32)
-  pos = np.where(seg == 1, np.arange(t), np.arange(t) - t // 3).astype(np.int32)
-  return q, k, v, jnp.asarray(seg, jnp.int32), jnp.asarray(pos)
+  starts = np.arange(t) // -(-t // docs) * -(-t // docs)
+  seg = np.broadcast_to(1 + np.arange(t) // -(-t // docs), (b, t))
+  pos = np.broadcast_to(np.arange(t) - starts, (b, t))
+  return q, k, v, jnp.asarray(seg, jnp.int32), jnp.asarray(pos, jnp.int32)
 
 
 def step(impl, block, windows):
@@ -46,17 +48,18 @@ def main():
   p.add_argument("--groups", type=int, default=2)
   p.add_argument("--dim", type=int, default=32)
   p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--docs", type=int, default=2, help="documents per row")
   a = p.parse_args()
   first = a.impls.split(",")[0]
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, heads {a.heads}, groups {a.groups}, "
-        f"dim {a.dim}, {a.dtype}")
+        f"dim {a.dim}, {a.dtype}, {a.docs} document(s) a row")
   print(f"| B x T | window | impl | block | ms | / {first} | temp MiB | / {first} |\n|---|---|---|---|---|---|---|---|")
   for shape in a.shapes.split(","):
     b, t, w = map(int, shape.split("x"))
     window = w or NO_WINDOW
-    args = (*inputs(b, t, a.heads, a.groups, a.dim, jnp.dtype(a.dtype)), jnp.int32(window))
+    args = (*inputs(b, t, a.heads, a.groups, a.dim, jnp.dtype(a.dtype), a.docs), jnp.int32(window))
     impls = [(i, int(bl)) for i in a.impls.split(",") for bl in (a.blocks.split(",") if i == "xla_blocked" else [A.BLOCK])]
-    fns = [step(i, bl, (window,)) for i, bl in impls]
+    fns = [step(i, bl, (window, NO_WINDOW)) for i, bl in impls]
     temps = [f.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20 for f in fns]
     for f in fns:
       jax.block_until_ready(f(*args))

@@ -2,6 +2,7 @@
 
     python -m benchmarks.cross_entropy                    # big (8192 x 1024 x 100278) and small
     python -m benchmarks.cross_entropy --case small --impls naive,xla,xla:128,xla:512
+    python -m benchmarks.cross_entropy --shapes 16384x768x50304,8192x2048x200064 --dtype bfloat16
 
 Each impl is `name[:chunk][+z]`; +z adds a z-loss (1e-4 * mean lse^2) to the objective,
 which sends a per-row cotangent to lse and so takes the xla impl's recomputing backward.
@@ -122,6 +123,7 @@ def main():
                  help="of hidden and weight (the loss is fp32 either way)")
   p.add_argument("--no-memory", action="store_true", help="skip the RSS subprocesses")
   p.add_argument("--no-time", action="store_true", help="only the RSS subprocesses")
+  p.add_argument("--shapes", default="", help="n x d x V cases instead of the named ones: 16384x768x50304,...")
   p.add_argument("--worker", help=argparse.SUPPRESS)
   p.add_argument("--n", type=int)
   p.add_argument("--d", type=int)
@@ -131,8 +133,8 @@ def main():
     return worker(a.worker, a.n, a.d, a.vocab, a.dtype)
   specs = a.impls.split(",")
   cases = CASES if a.case == "all" else {a.case: CASES[a.case]}
-  if a.n:  # a custom shape instead of the named cases
-    cases = {"custom": (a.n, a.d, a.vocab)}
+  if a.shapes:
+    cases = {shape: tuple(map(int, shape.split("x"))) for shape in a.shapes.split(",")}
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {a.dtype}, {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f}")
   print("| case (n, d, V) | impl | wall s | wall / naive | CPU s | CPU / naive | temp MiB "

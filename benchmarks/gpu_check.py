@@ -1,177 +1,126 @@
-"""The GPU check of issue 6, in one run: compile the Pallas kernels on the GPU, compare them
-with the naive reference, then time them and a train step.
+"""The GPU check in one run: the GPU test tier, then kernel and train-step measurements.
 
-    python3 -m benchmarks.gpu_check [--quick]
+    python -m benchmarks.gpu_check [--quick] [--stages tests,attention,ce,mix,step] [--log FILE]
 
-On a lent device machine (see docs/kernels.md, "On a GPU"), which has jax, flax, optax and
-orbax but not ml-collections: download that wheel here, carry it, install it there first.
-Stages, each printed as it finishes, so a run cut short still reports what it reached:
-  1. correctness: impl="pallas" (compiled, Triton) against impl="naive" on the same device,
-     values and gradients, fp32 and bf16, shapes that do and do not divide the tiles;
-  2. benchmarks/cross_entropy.py in bf16: naive vs xla vs pallas (8192 x 1024 x 100278 and
-     2048 x 512 x 32000), time of loss + grad and XLA's scratch memory;
-  3. benchmarks/codebook_mix.py in bf16 at the 8.94B model's shapes;
-  4. benchmarks/train_throughput.py: configs/d512.py in bf16 with kernels.impl = pallas and xla,
-     tokens/s, TFLOP/s and MFU against the device's data-sheet bf16 peak (train/flops.py);
-  5. attention (latent_jax/ops/attention.py): pallas_gpu (compiled) and xla_blocked against
-     dense on the GPU, values and dq/dk/dv, then benchmarks/attention.py in bf16.
-Exits 1 if any comparison in stage 1 or 5 fails; the later stages run regardless.
+Stages, each a subprocess of its own (this parent never touches the GPU, so no two processes
+hold its memory at once) with a time limit, each printed as it finishes:
+  tests      `pytest -m gpu tests/test_gpu.py`: the Pallas kernels compiled with Triton against
+             naive, every attention implementation against dense (fp32, bf16), a bf16 train step
+  attention  benchmarks/attention.py in bf16, forward + backward, at the GPT-2-small shape
+             (12 heads of 64) and the 1B shape (16 heads in 8 groups of 128), one and 4
+             documents a row
+  ce         benchmarks/cross_entropy.py in bf16: naive, xla, pallas at vocabularies 32k-200k
+  mix        benchmarks/codebook_mix.py in bf16 at the 8.94B model's shapes
+  step       benchmarks/train_throughput.py: configs/baseline_1b.py (remat none and matmuls) and
+             its ConceptLM, MFU against the data-sheet peak
+Ends with a one-screen summary; exits 1 if the tests failed. Everything it prints also goes to
+--log. On a lent device machine see docs/kernels.md, "On a GPU", for the wheels to carry.
 """
-
-from __future__ import annotations
-
 import argparse
 import json
+import os
 import subprocess
 import sys
+import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-import pallas_kernels as pk
-from latent_jax.ops import attention as A
-from latent_jax.ops.transformer import NO_WINDOW
-from latent_jax.train import flops
-
-# fp32: both impls ask for HIGHEST precision, so only summation order differs.
-# bf16: the kernels round dz / softmax weights to bf16 before the gradient matmuls, as the
-# tests' bf16 bounds say (tests/test_kernels.py): 2e-2 of the largest gradient entry.
-TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
+STAGES = ("tests", "attention", "ce", "mix", "step")
 
 
-def _rel(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-6))
+def commands(quick):
+  """{stage: [(argv, time limit in seconds)]}; --quick: fewer shapes and repetitions."""
+  py = [sys.executable, "-m"]
+  reps = "3" if quick else "10"
+  attn = py + ["benchmarks.attention", "--impls", "dense,xla_blocked,pallas_gpu,cudnn", "--dtype", "bfloat16",
+               "--reps", reps]
+  gpt2 = ["--heads", "12", "--groups", "12", "--dim", "64", "--shapes", "16x1024x0"]
+  one_b = ["--heads", "16", "--groups", "8", "--dim", "128", "--shapes", "8x4096x0,8x4096x1024"]
+  vocabs = "16384x768x50304,8192x2048x200064" if quick else \
+      "16384x768x50304,8192x2048x32000,8192x2048x100278,8192x2048x200064"
+  step = py + ["benchmarks.train_throughput", "--steps", reps, "--config"]
+  steps = [("configs/baseline_1b.py", ["data.batch_size=8"]), ("configs/baseline_1b.py:ncp", ["data.batch_size=8"])]
+  if not quick:
+    steps += [("configs/baseline_1b.py", ["data.batch_size=8", "model.remat=matmuls"]),
+              ("configs/baseline_1b.py", ["data.batch_size=16", "model.remat=matmuls"])]
+  return {
+      "tests": [(py + ["pytest", "-m", "gpu", "-q", "-n", "6", "-p", "no:cacheprovider", "tests/test_gpu.py"], 150)],
+      "attention": [(attn + gpt2 + ["--docs", "1"], 60), (attn + gpt2 + ["--docs", "4"], 60),
+                    (attn + one_b + ["--docs", "4"], 90)],
+      "ce": [(py + ["benchmarks.cross_entropy", "--impls", "naive,xla,pallas", "--dtype", "bfloat16", "--no-memory",
+                    "--reps", reps, "--shapes", vocabs], 150)],
+      "mix": [(py + ["benchmarks.codebook_mix", "--impls", "naive,xla,pallas", "--dtype", "bfloat16",
+                     "--reps", reps], 60)],
+      "step": [(step + [cfg] + [f"--config.{o}" for o in overrides], 150) for cfg, overrides in steps],
+  }
 
 
-def check_cross_entropy(dtype, n, d, vocab, s, cap):
-  k = jax.random.split(jax.random.key(n + s), 3)
-  h = jax.random.normal(k[0], (n, d)).astype(dtype)
-  w = (jax.random.normal(k[1], (d, vocab)) * d**-0.5).astype(dtype)
-  y = jax.random.randint(k[2], (n, s), 0, vocab).at[::7, 0].set(-1)  # some ignored labels
+class Log:
+  def __init__(self, path):
+    self.file = open(path, "a") if path else None
 
-  def f(impl):
-    def loss(h, w):
-      l, lse = pk.fused_cross_entropy(h, w, y, impl=impl, logit_soft_cap=cap, return_lse=True)
-      return l.mean() + 1e-3 * jnp.square(lse).mean(), l  # lse gets a cotangent too
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-
-  (_, lp), gp = f("pallas")(h, w)
-  (_, ln), gn = f("naive")(h, w)
-  return max(_rel(lp, ln), *(_rel(a, b) for a, b in zip(gp, gn)))
+  def __call__(self, text=""):
+    print(text, flush=True)
+    if self.file:
+      self.file.write(text + "\n")
+      self.file.flush()
 
 
-def check_mix(dtype, m, segments, codes, width, mode):
-  k = jax.random.split(jax.random.key(m), 3)
-  logits = jax.random.normal(k[0], (m, segments, codes)).astype(dtype)
-  codebook = (jax.random.normal(k[1], (segments, codes, width)) * 0.02).astype(dtype)
-  cot = jax.random.normal(k[2], (m, segments, width))
-
-  def f(impl):
-    def go(l, e):
-      out, vjp = jax.vjp(lambda l, e: pk.codebook_mix(l, e, mode=mode, impl=impl), l, e)
-      return (out, *vjp(cot.astype(out.dtype)))
-    return jax.jit(go)
-
-  return max(_rel(a, b) for a, b in zip(f("pallas")(logits, codebook), f("naive")(logits, codebook)))
-
-
-def stage_correctness(quick):
-  print("## 1. Pallas (compiled) against naive, max |diff| / max |ref| over values and grads\n")
-  print("| kernel | case | dtype | rel. error | bound | ok |\n|---|---|---|---|---|---|")
-  ok = True
-  ce_cases = [(256, 128, 2048, 1, None), (1000, 200, 5003, 1, 30.0), (777, 256, 32000, 4, None),
-              (512, 128, 3001, 8, 15.0)]
-  mix_cases = [(300, 4, 16, 8), (1000, 32, 128, 128), (2048, 32, 128, 128)]
-  for dtype in (jnp.float32, jnp.bfloat16):
-    for case in ce_cases[:2] if quick else ce_cases:
-      err = check_cross_entropy(dtype, *case)
-      ok &= err <= TOL[dtype]
-      print(f"| fused_cross_entropy | n,d,V,s,cap={case} | {jnp.dtype(dtype).name} | {err:.2e} "
-            f"| {TOL[dtype]:.0e} | {err <= TOL[dtype]} |", flush=True)
-    for case in mix_cases[:2] if quick else mix_cases:
-      for mode in ("softmax", "raw"):
-        err = check_mix(dtype, *case, mode)
-        ok &= err <= TOL[dtype]
-        print(f"| codebook_mix | M,S,N,d/S={case} {mode} | {jnp.dtype(dtype).name} | {err:.2e} "
-              f"| {TOL[dtype]:.0e} | {err <= TOL[dtype]} |", flush=True)
-  return ok
-
-
-def check_attention(impl, dtype, t, window):
-  """max relative error of attention and its q, k, v gradients against dense, 3 documents a row."""
-  k = jax.random.split(jax.random.key(t), 4)
-  q = jax.random.normal(k[0], (2, t, 8, 64)).astype(dtype)
-  kv = [jax.random.normal(x, (2, t, 2, 64)).astype(dtype) for x in k[1:3]]
-  cot = jax.random.normal(k[3], q.shape).astype(dtype)
-  seg = jnp.broadcast_to(1 + (jnp.arange(t) >= t // 3) + (jnp.arange(t) >= t // 2), (2, t)).astype(jnp.int32)
-  pos = jnp.arange(t) - jnp.where(jnp.arange(t) >= t // 2, t // 2, jnp.where(jnp.arange(t) >= t // 3, t // 3, 0))
-  pos = jnp.broadcast_to(pos, (2, t)).astype(jnp.int32)
-
-  def f(impl):
-    def go(q, k, v):
-      out, vjp = jax.vjp(lambda q, k, v: A.attention(q, k, v, seg, pos, window, impl, windows=(window,)), q, k, v)
-      return (out, *vjp(cot))
-    return jax.jit(go)
-
-  return max(_rel(a, b) for a, b in zip(f(impl)(q, *kv), f("dense")(q, *kv)))
-
-
-def stage_attention(quick):
-  print("\n## 5. attention against dense, max |diff| / max |ref| over output and dq, dk, dv\n")
-  print("| impl | T | window | dtype | rel. error | bound | ok |\n|---|---|---|---|---|---|---|")
-  ok = True
-  for dtype in (jnp.float32, jnp.bfloat16):
-    for impl in ("pallas_gpu", "xla_blocked"):
-      for t, window in [(1000, NO_WINDOW), (1000, 100)] + ([] if quick else [(4096, NO_WINDOW)]):
-        err = check_attention(impl, dtype, t, window)
-        ok &= err <= TOL[dtype]
-        print(f"| {impl} | {t} | {window} | {jnp.dtype(dtype).name} | {err:.2e} | {TOL[dtype]:.0e} "
-              f"| {err <= TOL[dtype]} |", flush=True)
-  return ok
-
-
-def run(title, cmd):
-  print(f"\n## {title}\n\n`{' '.join(cmd)}`\n", flush=True)
-  subprocess.run([sys.executable, *cmd], check=False)
+def run(cmd, limit, log):
+  """Run one child; its output goes to the log as it comes. (returncode or 'timeout', seconds, output)."""
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+  start = time.perf_counter()
+  log(f"\n$ {' '.join(cmd[1:])}")
+  lines = []
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  try:
+    for line in proc.stdout:
+      lines.append(line.rstrip())
+      log(line.rstrip())
+      if time.perf_counter() - start > limit:
+        proc.kill()
+        break
+    rc = proc.wait(timeout=max(1, limit - (time.perf_counter() - start)))
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    rc = "timeout"
+  if time.perf_counter() - start > limit:
+    rc = "timeout"
+  return rc, time.perf_counter() - start, lines
 
 
 def main():
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--quick", action="store_true", help="fewer cases, fewer reps")
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="fewer repetitions")
+  p.add_argument("--stages", default=",".join(STAGES))
+  p.add_argument("--log", default="")
   a = p.parse_args()
-  if jax.default_backend() != "gpu":
-    raise SystemExit(f"benchmarks.gpu_check needs a GPU; jax sees {jax.devices()}")
-  print(f"# GPU check: jax {jax.__version__}, {jax.devices()[0].device_kind}\n")
-  ok = stage_correctness(a.quick)
-  reps = "3" if a.quick else "10"
-  run("2. fused_cross_entropy, bf16, loss + grad",
-      ["-m", "benchmarks.cross_entropy", "--impls", "naive,xla,pallas", "--dtype", "bfloat16",
-       "--no-memory", "--reps", reps])
-  run("3. codebook_mix at the 8.94B shapes, bf16",
-      ["-m", "benchmarks.codebook_mix", "--impls", "naive,xla,pallas", "--dtype", "bfloat16",
-       "--reps", reps])
-  print("\n## 4. train step, configs/d512.py, bf16, 64 x 2048 tokens\n")
-  print("| kernels.impl | tokens/s | TFLOP/s | MFU (of the data-sheet peak) |\n|---|---|---|---|")
-  peak = flops.KNOWN_PEAK_FLOPS.get(jax.devices()[0].device_kind, float("nan"))
-  for impl in ("pallas", "xla"):
-    cmd = ["-m", "benchmarks.train_throughput", "--config", "configs/d512.py", "--config.model.dtype=bfloat16",
-           "--config.data.batch_size=64", "--config.data.seq_len=2048", f"--config.kernels.impl={impl}",
-           f"--steps={reps}"]
-    out = subprocess.run([sys.executable, *cmd], capture_output=True, text=True)
-    if out.returncode:
-      print(f"| {impl} | failed: {out.stderr.strip()[-300:]} | | |", flush=True)
-      continue
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"| {impl} | {r['tokens_per_s']:,.0f} | {r['flops_per_s'] / 1e12:.1f} | {r['flops_per_s'] / peak:.3f} |",
-          flush=True)
-  ok &= stage_attention(a.quick)
-  run("5b. attention, bf16, forward + backward",
-      ["-m", "benchmarks.attention", "--impls", "dense,xla_blocked,pallas_gpu", "--dtype", "bfloat16",
-       "--heads", "16", "--groups", "4", "--dim", "128", "--reps", reps,
-       "--shapes", "4x2048x0,4x2048x512,1x8192x0,1x8192x512"])
-  sys.exit(0 if ok else 1)
+  log = Log(a.log)
+  probe = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend(), jax.__version__, "
+                          "jax.devices()[0].device_kind)"], capture_output=True, text=True,
+                         env=dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false"))
+  backend = probe.stdout.split()
+  if not backend or backend[0] != "gpu":
+    sys.exit(f"error: benchmarks.gpu_check needs a GPU; jax says {probe.stdout.strip() or probe.stderr.strip()[-300:]}")
+  log(f"# GPU check: jax {backend[1]}, {' '.join(backend[2:])}, {time.strftime('%Y-%m-%d %H:%M')}")
+  summary, tests_ok = [], True
+  for stage in a.stages.split(","):
+    for cmd, limit in commands(a.quick)[stage]:
+      rc, seconds, lines = run(cmd, limit, log)
+      status = "ok" if rc == 0 else f"FAILED ({rc})"
+      if stage == "tests":
+        tests_ok = rc == 0
+        status += " " + next((l for l in reversed(lines) if " passed" in l or " failed" in l), "")
+      if stage == "step" and rc == 0 and lines:
+        try:
+          r = json.loads(lines[-1])
+          status += (f": {r['tokens_per_s']:,.0f} tokens/s, MFU {r['mfu']:.3f} of {r['peak_source']}, "
+                     f"compile {r['compile_s']} s")
+        except (ValueError, KeyError):
+          pass
+      summary.append(f"{stage:9s} {seconds:6.0f} s  {status}  [{' '.join(cmd[2:])[:150]}]")
+  log("\n## Summary\n")
+  for line in summary:
+    log(line)
+  sys.exit(0 if tests_ok else 1)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""Train-step throughput: tokens/s, FLOP/s, and their ratio to this machine's matmul peak.
+"""Train-step throughput: tokens/s, FLOP/s, and MFU against the device's peak.
 
-  python benchmarks/train_throughput.py --config configs/tiny.py [--config.a.b=v ...] [--steps=10]
+  python -m benchmarks.train_throughput --config configs/tiny.py [--config.a.b=v ...] [--steps=10]
 
 Random token batches (no data pipeline), the real jitted train step with its shardings.
-Reports compile time, then the median over `steps` timed steps; the matmul peak is measured
-in the same process, right before, in the model's compute dtype, at a size like the model's.
+Reports compile time, then the median over `steps` timed steps. The peak is the one training
+reports its MFU against (train/flops.py's peak_flops): the data sheet's for a known device
+(bf16 dense), else a large matmul measured in this process in the model's compute dtype.
 """
 import json
 import time
@@ -33,20 +34,20 @@ def measure(path, overrides, n_steps):
   b, t = cfg.data.batch_size, cfg.data.seq_len
   step_s = float(np.median(times))
   flops_per_token = flops.flops_per_token(cfg, t)
-  peak = flops.measure_matmul_peak(jax.numpy.dtype(cfg.model.dtype), n=min(2048, max(512, cfg.model.d_model * 2)))
+  peak, source = flops.peak_flops(cfg.train.peak_flops, jax.numpy.dtype(cfg.model.dtype))
   result = {
       "config": path, "overrides": overrides, "device": jax.devices()[0].device_kind,
       "devices": jax.device_count(), "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),
       "tokens_per_s": round(b * t / step_s, 1), "train_flops_per_token": flops_per_token,
-      "flops_per_s": b * t * flops_per_token / step_s, "matmul_peak_flops_per_s": peak * jax.device_count(),
+      "flops_per_s": b * t * flops_per_token / step_s, "peak_flops_per_s": peak * jax.device_count(),
+      "peak_source": source,
   }
-  result["ratio_to_matmul_peak"] = round(result["flops_per_s"] / result["matmul_peak_flops_per_s"], 3)
+  result["mfu"] = round(result["flops_per_s"] / result["peak_flops_per_s"], 4)
   print(json.dumps(result))
 
 
-def step_times(cfg, n_steps):
-  """(compile seconds, [seconds of each of n_steps timed steps], the compiled step, the last step's
-  metrics) of cfg's jitted train step on a random batch, after one untimed step."""
+def setup(cfg):
+  """(the compiled train step, a train state, a random batch, compile seconds) of cfg."""
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
   graphdef, abstract = steps.abstract_model(cfg)  # with the NITP / MTP heads the config enables
@@ -60,18 +61,28 @@ def step_times(cfg, n_steps):
   batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
                                  "segment_ids": np.ones((b, t), np.int32),
                                  "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1))}, mesh)
-
   start = time.perf_counter()
   compiled = train_step.lower(state, batch).compile()
-  compile_s = time.perf_counter() - start
-  state, m = compiled(state, batch)
-  jax.block_until_ready(m)
-  times = []
+  return compiled, state, batch, time.perf_counter() - start
+
+
+def run_steps(compiled, state, batch, n_steps):
+  """(state, [seconds of each of n_steps steps], the last metrics), each step waited for."""
+  times, m = [], None
   for _ in range(n_steps):
     start = time.perf_counter()
     state, m = compiled(state, batch)
     jax.block_until_ready(m)
     times.append(time.perf_counter() - start)
+  return state, times, m
+
+
+def step_times(cfg, n_steps):
+  """(compile seconds, [seconds of each of n_steps timed steps], the compiled step, the last step's
+  metrics) of cfg's jitted train step on a random batch, after one untimed step."""
+  compiled, state, batch, compile_s = setup(cfg)
+  state, _, _ = run_steps(compiled, state, batch, 1)
+  _, times, m = run_steps(compiled, state, batch, n_steps)
   return compile_s, times, compiled, m
 
 

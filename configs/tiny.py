@@ -25,6 +25,7 @@ def get_config():
   c.model.param_dtype = "float32"      # float32 | bfloat16
   c.model.dtype = "float32"            # compute dtype
   c.model.remat = "none"               # none | full (recompute each block) | matmuls (keep matmul outputs)
+  c.model.scan_unroll = 1              # layers per iteration of the layer scan (num_layers: unrolled, slower to compile)
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "kjv"                # kjv | shakespeare | .txt/.jsonl(.gz)/.parquet files, folders, globs | a token store

@@ -13,6 +13,7 @@ import sys
 import ml_collections
 
 KERNEL_IMPLS = ("auto", "pallas", "pallas_interpret", "xla", "naive")
+ATTENTION_IMPLS = ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu", "cudnn")  # ops/attention.py
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "matmuls")  # latent_jax.nn.layers.REMAT_POLICIES, and "none"
 
@@ -113,6 +114,8 @@ def validate(cfg):
   check_choice(m.param_dtype, "model.param_dtype", DTYPES)
   check_choice(m.dtype, "model.dtype", DTYPES)
   check_choice(m.remat, "model.remat", REMAT)
+  check(isinstance(m.get("scan_unroll", 1), int) and m.get("scan_unroll", 1) >= 1, "model.scan_unroll",
+        f"must be a positive integer (layers per loop iteration), got {m.get('scan_unroll')!r}.")
   check(m.window >= 0, "model.window", "must be >= 0 (0 = no sliding window).")
   check(m.full_attention_every >= 1, "model.full_attention_every", "must be >= 1 (1 = every layer full).")
   check(m.rope_base > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_base/norm_eps/init_std", "must be > 0.")
@@ -162,7 +165,14 @@ def validate(cfg):
   check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh.data/fsdp/tensor",
         "at most one may be -1 (fill).")
   check_choice(cfg.kernels.impl, "kernels.impl", KERNEL_IMPLS)
-  check_choice(cfg.kernels.get("attention", "auto"), "kernels.attention", ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu"))
+  check_choice(cfg.kernels.get("attention", "auto"), "kernels.attention", ATTENTION_IMPLS)
+  if cfg.kernels.get("attention", "auto") == "cudnn":
+    check(m.dtype != "float32", "kernels.attention",
+          "'cudnn' (cuDNN flash attention) computes in bfloat16 or float16 only, and model.dtype is float32; "
+          "set model.dtype=bfloat16 or choose another kernels.attention ('auto' picks one).")
+    check(m.head_dim % 8 == 0 and m.head_dim <= 256, "kernels.attention",
+          f"'cudnn' needs model.head_dim a multiple of 8 and at most 256, got {m.head_dim}; choose another "
+          "kernels.attention ('auto' picks one).")
   if m.name == "concept":
     validate_ncp(cfg)
   validate_tst(cfg)

@@ -48,6 +48,12 @@ def backend() -> str:
   return _TARGET.get() or jax.default_backend()
 
 
+def device_kind() -> str:
+  """The kind of device kernels are traced for ("NVIDIA H200", ...); "" when tracing for another
+  platform than this host's (target_backend), whose devices this host cannot name."""
+  return jax.devices()[0].device_kind if backend() == jax.default_backend() else ""
+
+
 def resolve_impl(impl: str) -> tuple[str, bool]:
   """Map a user-facing impl name to (family, interpret) at trace time; "auto" means
   "pallas" on GPU and TPU, "xla" elsewhere."""

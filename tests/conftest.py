@@ -29,6 +29,18 @@ TINY_OVERRIDES = [
     "train.checkpoint_every=2", "kernels.impl=xla"]
 
 
+def pytest_collection_modifyitems(config, items):
+  """Tests marked gpu (the GPU tier) skip, saying why, where jax has no GPU."""
+  gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+  if not gpu_items:
+    return
+  import jax
+  if jax.default_backend() != "gpu":
+    skip = pytest.mark.skip(reason=f"the GPU tier needs a GPU; jax's backend here is {jax.default_backend()!r}")
+    for item in gpu_items:
+      item.add_marker(skip)
+
+
 @pytest.fixture
 def tiny_cfg():
   from latent_jax import load_config

@@ -84,9 +84,16 @@ def test_blocked_skips_blocks_and_pads():
     A.resolve("flash", 8)
 
 
-def test_auto_is_dense_for_one_block_then_the_backend_kernel():
-  assert [A.resolve("auto", A.BLOCK, b) for b in ("cpu", "tpu", "gpu")] == ["dense"] * 3
-  assert [A.resolve("auto", A.BLOCK + 1, b) for b in ("cpu", "tpu", "gpu")] == ["xla_blocked", "pallas_tpu", "pallas_gpu"]
+def test_auto_is_dense_for_one_block_then_the_measured_kernel():
+  """Beyond one block: splash on TPU; on a GPU the kernel measured fastest for its kind and dtype
+  (AUTO_GPU), xla_blocked on a GPU without figures; xla_blocked on CPU."""
+  assert [A.resolve("auto", A.BLOCK, jnp.bfloat16, b, "NVIDIA H200") for b in ("cpu", "tpu", "gpu")] == ["dense"] * 3
+  long = A.BLOCK + 1
+  assert [A.resolve("auto", long, jnp.bfloat16, b, "NVIDIA H200") for b in ("cpu", "tpu")] == ["xla_blocked", "pallas_tpu"]
+  for (kind, dtype), impl in A.AUTO_GPU.items():
+    assert A.resolve("auto", long, dtype, "gpu", kind) == impl
+  assert A.resolve("auto", long, jnp.bfloat16, "gpu", "Tesla T4") == "xla_blocked"
+  assert A.resolve("cudnn", long, jnp.bfloat16, "cpu") == "cudnn"  # named impls are taken as they are
   assert [A.block_size(t) for t in (65, 256, 512, 8192)] == [A.MIN_BLOCK, 64, A.BLOCK, A.BLOCK]
 
 
@@ -206,3 +213,26 @@ def test_pallas_gpu_lowers_for_gpu():
           sds((b, t), jnp.int32))
   text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 3  # forward, preprocess and fused backward kernels
+
+
+@pytest.mark.parametrize("window", [3, 20, NO_WINDOW])
+def test_cudnn_branches_match_dense_through_the_xla_api(window):
+  """cudnn's wrapper (its choice between no mask, a mask with the causal cut and a mask without,
+  the window it passes, the odd-length padding) run through jax's XLA version of
+  dot_product_attention on the CPU: packed rows, one-document rows, TST-like positions stepping
+  by 2, positions that repeat (where only the whole mask is exact), a window not in `windows`."""
+  q, k, v = (jnp.asarray(a, jnp.float32) for a in qkv(3, T_LEN, 4, 2, 8))
+  one_seg, one_pos = rows(T_LEN, [[0, 45], [0, 45], [0, 30]])
+  cases = {"packed": (SEG, POS), "one document": (one_seg, one_pos), "steps of 2": (SEG, 2 * POS),
+           "repeats": (SEG, POS // 2)}
+  for name, (seg, pos) in cases.items():
+    real = seg > 0
+    cot = jnp.asarray(np.where(real[..., None, None], rng.normal(size=q.shape), 0), jnp.float32)
+    for windows in ((window, NO_WINDOW), (7,)):
+      f = lambda impl: lambda q, k, v: (A.attention(q, k, v, seg, pos, window, "dense") if impl == "dense" else
+                                        A.cudnn_attention(q, k, v, seg, pos, window, windows, "xla"))
+      (want, want_vjp), (got, got_vjp) = (jax.vjp(f(impl), q, k, v) for impl in ("dense", "cudnn"))
+      msg = f"{name}, windows {windows}"
+      np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5, err_msg=msg)
+      for g, w in zip(got_vjp(cot), want_vjp(cot)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=msg)

@@ -140,7 +140,8 @@ def stacked_blocks(cfg, num_layers, rngs):
 class BlockStack(nnx.Module):
   """`num_layers` blocks with stacked parameters, applied with `jax.lax.scan`.
 
-  Scanning keeps compile time flat in depth; `remat` (a model.remat policy) recomputes each
+  Scanning keeps compile time flat in depth (model.scan_unroll > 1 unrolls that many layers per
+  loop iteration, trading compile time for fewer loop boundaries); `remat` (a model.remat policy) recomputes each
   block, or all but its matmuls, in the backward pass instead of storing its activations.
   """
 
@@ -150,6 +151,7 @@ class BlockStack(nnx.Module):
     self.windows = (num_layers, cfg.window, cfg.full_attention_every)
     self.blocks.set_attributes(windows=T.window_sizes(*self.windows))
     self.remat = cfg.remat
+    self.unroll = cfg.get("scan_unroll", 1)
 
   def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, tap=0):
     """Returns (x, cache, tapped): `tapped` is the state after the first `tap` layers (None if tap=0)."""
@@ -163,12 +165,13 @@ class BlockStack(nnx.Module):
 
     body = remat(body, self.remat)
     layers = (state, T.layer_windows(*self.windows), cache)
+    scan = lambda x, layers: jax.lax.scan(body, x, layers, unroll=self.unroll)
     if not tap:
-      x, cache = jax.lax.scan(body, x, layers)
+      x, cache = scan(x, layers)
       return x, cache, None
     # Layers [0, tap) then [tap, L): the tapped state without storing every layer's output.
-    tapped, head_cache = jax.lax.scan(body, x, jax.tree.map(lambda a: a[:tap], layers))
-    x, tail_cache = jax.lax.scan(body, tapped, jax.tree.map(lambda a: a[tap:], layers))
+    tapped, head_cache = scan(x, jax.tree.map(lambda a: a[:tap], layers))
+    x, tail_cache = scan(tapped, jax.tree.map(lambda a: a[tap:], layers))
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head_cache, tail_cache), tapped
 
   def init_cache(self, cfg, batch, length, dtype):

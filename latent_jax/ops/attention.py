@@ -14,11 +14,12 @@ closer than `window` (`transformer.attention_mask`). Implementations (IMPLS):
                and segment ids, one kernel per static window size in `windows`.
   pallas_gpu   full-causal layers: jax's Pallas (Triton) flash attention with segment ids;
                windowed layers: xla_blocked (that kernel has no window; docs/kernels.md).
-  auto         dense when T <= BLOCK; beyond it pallas_tpu on TPU, pallas_gpu on GPU,
-               xla_blocked elsewhere. (On CPU xla_blocked already runs in 0.70x dense's
-               time at T = 128, but compiles 1.1-1.7 s slower for the tiny configs' steps,
-               more than a short run at that size gains; docs/kernels.md.) The Pallas kernels have been run
-               interpreted and lowered only, never compiled on a TPU or GPU (docs/kernels.md).
+  cudnn        cuDNN's fused flash attention (jax.nn.dot_product_attention), causal and
+               windowed layers alike; packed documents through a mask (GPU, bf16/fp16 only).
+  auto         dense when T <= BLOCK; beyond it by backend and compute dtype (AUTO, from the
+               measurements in docs/kernels.md), xla_blocked where nothing was measured. (On CPU
+               xla_blocked already runs in 0.70x dense's time at T = 128, but compiles 1.1-1.7 s
+               slower for the tiny configs' steps, more than a short run at that size gains.)
 
 The Pallas kernels mask by sequence index; they run only where that equals the mask by
 position (`index_masks_exact`, checked on the traced batch), and xla_blocked runs otherwise.
@@ -33,11 +34,12 @@ from jax import lax
 from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
+from latent_jax.config import ATTENTION_IMPLS
 from latent_jax.ops import transformer as T
 from latent_jax.train.sharding import per_batch_shard
-from pallas_kernels._common import backend as kernel_backend
+from pallas_kernels._common import backend as kernel_backend, device_kind as kernel_device_kind
 
-IMPLS = ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu")
+IMPLS = ATTENTION_IMPLS
 BLOCK = 128  # xla_blocked's block from T = 512 on, within noise of the best on CPU (docs/kernels.md)
 MIN_BLOCK = 64  # ... and the smallest it takes for shorter rows (block_size)
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)  # finite -inf: exp underflows to 0, 0 * MASK is 0
@@ -269,17 +271,73 @@ def gpu_attention(q, k, v, segment_ids, positions, window, block, interpret):
                   lambda: blocked_attention(q, k, v, segment_ids, positions, window, block))
 
 
+# ---------------------------------------------------------------------------------- cudnn
+# jax.nn.dot_product_attention(implementation="cudnn") skips the key blocks that its causal
+# mask and its static left window (by sequence index) hide, and takes the rest of our mask as
+# a [B, 1, T, T] boolean mask (cuDNN reads it as an additive bias). Both cuts are exact
+# wherever positions rise by at least one per token inside a document (the index distance
+# is then at most the position distance, so every key the index cuts is one the dense mask
+# hides too): packed rows, TST bags, concept positions. A row that is one document (padding
+# only at its end) with positions equal to indices needs no mask at all, and that branch
+# reads no mask from memory. The traced window picks one static window (`windows`), as for
+# splash. Anything else (a window not in `windows`, positions that do not rise) takes the
+# whole mask without the causal cut: exact, at twice the work.
+def one_document(segment_ids):
+  """Whether every row is one segment, followed by padding (segment 0) only."""
+  seg = segment_ids
+  return jnp.all((seg[:, 1:] == seg[:, :-1]) | (seg[:, 1:] == 0))
+
+
+def cudnn_attention(q, k, v, segment_ids, positions, window, windows, implementation="cudnn"):
+  """cuDNN flash attention, exact for any segments and positions (see above).
+
+  implementation="xla" runs the same calls through jax's XLA version of the API (tests, on CPU)."""
+  t = q.shape[1]
+  pad = t % 2  # cuDNN's backward with a mask wants an even length; a padded key is causally hidden
+  widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+  qp, kp, vp, segp, posp = (jnp.pad(x, widths(x)) for x in (q, k, v, segment_ids, positions))
+  segp = segp.at[:, t:].set(-1)  # the padded key belongs to no document
+
+  def fused(mask, causal, w=T.NO_WINDOW):
+    local = None if w >= T.NO_WINDOW else (w - 1, 0)  # keys (i - w, i]: `window` keys back, itself included
+    out = jax.nn.dot_product_attention(qp, kp, vp, mask=mask, is_causal=causal, local_window_size=local,
+                                       implementation=implementation)
+    return out[:, :t]
+
+  whole_mask = lambda w: T.attention_mask(posp, posp, segp, segp, w)[:, None]
+  window = jnp.asarray(window, jnp.int32)
+  branches = ([lambda w=w: fused(None, True, w) for w in windows]
+              + [lambda w=w: fused(whole_mask(w), True, w) for w in windows]
+              + [lambda: fused(whole_mask(window), False)])
+  known = jnp.asarray(windows, jnp.int32) == window
+  plain = one_document(segment_ids) & index_masks_exact(segment_ids, positions, window)
+  rises = index_masks_exact(segment_ids, positions, T.NO_WINDOW)
+  index = jnp.where(jnp.any(known) & rises, jnp.argmax(known) + jnp.where(plain, 0, len(windows)), 2 * len(windows))
+  return lax.switch(index, branches)
+
+
 # ----------------------------------------------------------------------------------- public
-AUTO = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}  # beyond one block; xla_blocked elsewhere
+# auto's choice beyond one block: on a GPU, by device kind and compute dtype, the fastest
+# exact implementation measured there (docs/kernels.md, "On a GPU"); a GPU without figures
+# (a Colab T4, say) takes xla_blocked, which compiles everywhere. On TPU, splash.
+AUTO_GPU = {("NVIDIA H200", "bfloat16"): "cudnn", ("NVIDIA H200", "float32"): "pallas_gpu"}
 
 
-def resolve(impl, seq_len, backend=None):
-  """The implementation `impl` names; "auto": dense up to BLOCK tokens, then by backend (AUTO)."""
+def resolve(impl, seq_len, dtype=jnp.float32, backend=None, device_kind=None):
+  """The implementation `impl` names; "auto": dense up to BLOCK tokens, then by backend (AUTO_GPU)."""
   if impl not in IMPLS:
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
-  if impl == "auto":
-    return "dense" if seq_len <= BLOCK else AUTO.get(backend or kernel_backend(), "xla_blocked")
-  return impl
+  if impl != "auto":
+    return impl
+  if seq_len <= BLOCK:
+    return "dense"
+  backend = backend or kernel_backend()
+  if backend == "tpu":
+    return "pallas_tpu"
+  if backend == "gpu":
+    kind = kernel_device_kind() if device_kind is None else device_kind
+    return next((v for (k, dt), v in AUTO_GPU.items() if kind.startswith(k) and jnp.dtype(dtype) == dt), "xla_blocked")
+  return "xla_blocked"
 
 
 def attention(q, k, v, segment_ids, positions, window, impl="auto", block=None, windows=(T.NO_WINDOW,)):
@@ -291,7 +349,7 @@ def attention(q, k, v, segment_ids, positions, window, impl="auto", block=None, 
   if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
     raise ValueError(f"attention: q must be [B,T,H,D] and k, v [B,T,K,D] with K dividing H, "
                      f"got q {q.shape}, k {k.shape}, v {v.shape}")
-  impl = resolve(impl, q.shape[1])
+  impl = resolve(impl, q.shape[1], q.dtype)
   block = block or block_size(q.shape[1])
   if impl == "dense":
     return dense_attention(q, k, v, segment_ids, positions, window)
@@ -302,5 +360,8 @@ def attention(q, k, v, segment_ids, positions, window, impl="auto", block=None, 
     return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
   if impl == "pallas_gpu":
     kernel = lambda rows, w: gpu_attention(*rows, w, block, kernel_backend() != "gpu")
+    return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
+  if impl == "cudnn":
+    kernel = lambda rows, w: cudnn_attention(*rows, w, windows)
     return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
   return blocked_attention(q, k, v, segment_ids, positions, window, block)
