@@ -42,9 +42,13 @@ def commands(quick):
     steps += [("configs/baseline_1b.py", ["data.batch_size=8", "model.remat=matmuls"]),
               ("configs/baseline_1b.py", ["data.batch_size=16", "model.remat=matmuls"])]
   return {
-      "tests": [(py + ["pytest", "-m", "gpu", "-q", "-n", "6", "-p", "no:cacheprovider", "tests/test_gpu.py"], 150)],
+      # Tests compare values, not speed: no GEMM autotuning, which dominates their compile time.
+      "tests": [(py + ["pytest", "-m", "gpu", "-q", "-n", "8", "--durations=10", "tests/test_gpu.py"], 150,
+                 {"XLA_FLAGS": "--xla_gpu_autotune_level=0"})],
       "attention": [(attn + gpt2 + ["--docs", "1"], 60), (attn + gpt2 + ["--docs", "4"], 60),
-                    (attn + one_b + ["--docs", "4"], 90)],
+                    (attn + one_b + ["--docs", "4"], 90),
+                    (attn[:3] + ["--impls", "dense,xla_blocked,pallas_gpu", "--dtype", "float32", "--reps", reps] + gpt2
+                     + ["--docs", "4"], 60)],
       "ce": [(py + ["benchmarks.cross_entropy", "--impls", "naive,xla,pallas", "--dtype", "bfloat16", "--no-memory",
                     "--reps", reps, "--shapes", vocabs], 150)],
       "mix": [(py + ["benchmarks.codebook_mix", "--impls", "naive,xla,pallas", "--dtype", "bfloat16",
@@ -64,9 +68,9 @@ class Log:
       self.file.flush()
 
 
-def run(cmd, limit, log):
+def run(cmd, limit, log, env=None):
   """Run one child; its output goes to the log as it comes. (returncode or 'timeout', seconds, output)."""
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1", **(env or {}))
   start = time.perf_counter()
   log(f"\n$ {' '.join(cmd[1:])}")
   lines = []
@@ -103,8 +107,8 @@ def main():
   log(f"# GPU check: jax {backend[1]}, {' '.join(backend[2:])}, {time.strftime('%Y-%m-%d %H:%M')}")
   summary, tests_ok = [], True
   for stage in a.stages.split(","):
-    for cmd, limit in commands(a.quick)[stage]:
-      rc, seconds, lines = run(cmd, limit, log)
+    for cmd, limit, *env in commands(a.quick)[stage]:
+      rc, seconds, lines = run(cmd, limit, log, *env)
       status = "ok" if rc == 0 else f"FAILED ({rc})"
       if stage == "tests":
         tests_ok = rc == 0

@@ -25,18 +25,16 @@ import time
 SHAPE = dict(vocab=50304, d=768, layers=12, heads=12, seq=1024, batch=16)
 CONFIG = "configs/nanogpt_gpu.py"
 
-# name -> (config overrides, extra XLA flags). "default" is the config as shipped (kernels "auto").
-CUDNN_XLA = ["kernels.impl=xla", "kernels.attention=cudnn"]
+# name -> (config overrides, extra XLA flags). "default" is the config as shipped (kernels "auto",
+# layers unrolled); the others change one thing, or restore an earlier default.
 VARIANTS = {
     "default": ([], ""),
-    "pallas": (["kernels.impl=pallas", "kernels.attention=pallas_gpu"], ""),  # auto's choice before 2026-12-04
-    "xla_pallas_attn": (["kernels.impl=xla", "kernels.attention=pallas_gpu"], ""),
-    "cudnn_xla": (CUDNN_XLA, ""),
-    "cudnn_naive": (["kernels.impl=naive", "kernels.attention=cudnn"], ""),
-    "cudnn_xla_unrolled": (CUDNN_XLA + ["model.scan_unroll=12"], ""),
-    "cudnn_xla_remat_matmuls": (CUDNN_XLA + ["model.remat=matmuls"], ""),
-    "cudnn_xla_no_triton_gemm": (CUDNN_XLA, "--xla_gpu_enable_triton_gemm=false"),
-    "cudnn_xla_no_command_buffer": (CUDNN_XLA, "--xla_gpu_enable_command_buffer="),
+    "scanned": (["model.scan_unroll=1"], ""),
+    "naive_ce": (["kernels.impl=naive"], ""),
+    "pallas_attention": (["kernels.attention=pallas_gpu"], ""),
+    "remat_matmuls": (["model.remat=matmuls"], ""),
+    "no_triton_gemm": ([], "--xla_gpu_enable_triton_gemm=false"),
+    "before": (["kernels.impl=pallas", "kernels.attention=pallas_gpu", "model.scan_unroll=1"], ""),  # main at dd920a3
 }
 
 
@@ -132,6 +130,8 @@ def jax_step_times(config, overrides, steps, profile_dir):
   out = {"side": "jax", "jax": jax.__version__, "compile_s": round(compile_s, 1), "times": times}
   if profile_dir:
     out["profile"] = profile(compiled, state, batch, profile_dir)
+    with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:  # fusion names -> their HLO
+      f.write(compiled.as_text())
   return out
 
 
@@ -157,7 +157,10 @@ def profile(compiled, state, batch, trace_dir, steps=3):
       for ev in line.events:
         ms = ev.duration_ns / 1e6 / steps
         if line.name.startswith("Stream"):
-          kernels[ev.name[:100]] = kernels.get(ev.name[:100], 0.0) + ms
+          name = ev.name[:100]
+          hlo = dict(ev.stats).get("hlo_op")  # the fusion or custom call the kernel belongs to
+          name = f"{name} [{hlo}]" if hlo and hlo != ev.name else name
+          kernels[name] = kernels.get(name, 0.0) + ms
           busy += ms
         elif line.name == "XLA Ops":
           ops[ev.name] = ops.get(ev.name, 0.0) + ms
@@ -166,7 +169,7 @@ def profile(compiled, state, batch, trace_dir, steps=3):
     cat = kernel_category(name)
     categories[cat] = categories.get(cat, 0.0) + ms
   top = lambda d, n: [(k, round(v, 3)) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
-  return {"busy_ms": round(busy, 2), "categories": top(categories, 10), "kernels": top(kernels, 25),
+  return {"busy_ms": round(busy, 2), "categories": top(categories, 10), "kernels": top(kernels, 40),
           "ops": top(ops, 25), "lines": lines}
 
 
@@ -210,6 +213,7 @@ def main():
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--variants", default="default", help=f"comma-separated, of {', '.join(VARIANTS)}")
   p.add_argument("--profile", default="", help="variants to profile (comma-separated), or 'all'")
+  p.add_argument("--trace_dir", default="/tmp/gpu_peer", help="where profiles and step HLO go, a folder per variant")
   p.add_argument("--no-torch", action="store_true", help="jax variants only (ratios then omitted)")
   p.add_argument("--config", default=CONFIG, help="the jax side's config (another one only to try the script)")
   a = p.parse_args()
@@ -229,7 +233,7 @@ def main():
   for name in a.variants.split(","):
     overrides, flags = VARIANTS[name]
     prof = name in a.profile.split(",") or a.profile == "all"
-    trace = f"/tmp/gpu_peer_trace_{name}" if prof else ""
+    trace = os.path.join(a.trace_dir, name) if prof else ""
     r = run_child(["jax", str(a.steps), a.config, json.dumps(overrides)] + ([trace] if trace else []), flags)
     if "error" in r:
       print(f"{name}: failed: {r['error']}", flush=True)

@@ -16,8 +16,14 @@ from jax.experimental.pallas import triton as pl_triton
 #   pallas            the Pallas kernel, compiled on GPU/TPU (interpreted on CPU, the only
 #                     way it runs there)
 #   pallas_interpret  the Pallas kernel in interpret mode on any backend (tests, debugging)
-#   auto              "pallas" on gpu/tpu, "xla" on cpu
+#   auto              the fastest measured on this backend (AUTO), "xla" where nothing was
 IMPLS = ("auto", "naive", "xla", "pallas", "pallas_interpret")
+
+# auto's choice by (backend, kernel), from the measurements in docs/kernels.md. A Pallas kernel is
+# the default only where it was measured to win: nowhere yet. On an H200 (bf16) the fused
+# cross-entropy kernel took 4.0x naive's time at 16384 x 768 x 50,304 and 6.5x at 8192 x 2048 x
+# 200,064, against xla's 0.86x and 1.25x; codebook mixing 1.5x naive's. TPU: not measured.
+AUTO = {("gpu", "codebook_mix"): "naive"}
 
 # fp32 inputs must not silently drop to TF32 / bf16 passes on GPU/TPU: the kernels promise
 # fp32 logits. On CPU this costs nothing; for bf16 inputs it changes nothing.
@@ -54,14 +60,14 @@ def device_kind() -> str:
   return jax.devices()[0].device_kind if backend() == jax.default_backend() else ""
 
 
-def resolve_impl(impl: str) -> tuple[str, bool]:
-  """Map a user-facing impl name to (family, interpret) at trace time; "auto" means
-  "pallas" on GPU and TPU, "xla" elsewhere."""
+def resolve_impl(impl: str, kernel: str) -> tuple[str, bool]:
+  """Map a user-facing impl name to (family, interpret) at trace time; "auto" takes AUTO's entry
+  for this backend and `kernel` ("cross_entropy", "codebook_mix"), else "xla"."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   backend_ = backend()
   if impl == "auto":
-    impl = "pallas" if backend_ in ("gpu", "tpu") else "xla"
+    impl = AUTO.get((backend_, kernel), "xla")
   if impl == "pallas_interpret":
     return "pallas", True
   if impl == "pallas":

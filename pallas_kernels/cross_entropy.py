@@ -13,6 +13,9 @@ Three versions, one chooser (`fused_cross_entropy`):
           [chunk, vocab] block of logits is ever alive. Under jax.grad the forward also
           builds the gradient of sum(loss), which the backward rescales when the cotangent
           allows (a mean, masked mean or sum of the loss) and recomputes chunks otherwise.
+          The logits come out of the matmul in the operands' dtype (bf16 for bf16 inputs,
+          as in PyTorch autocast and MaxText) and everything after it is fp32: half the
+          bytes of fp32 logits on every pass over a chunk.
   pallas  tokens x vocab tiles with an online logsumexp (cross_entropy_pallas.py; on TPU
           the BlockSpec-tiled kernels of cross_entropy_tpu.py).
 """
@@ -25,15 +28,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import backend, matmul, pad_to, resolve_impl, round_up
+from pallas_kernels._common import PRECISION, backend, matmul, pad_to, resolve_impl, round_up
 from pallas_kernels.cross_entropy_pallas import pallas_cross_entropy
 
-# One chunk of fp32 logits in the xla path is at most about this many bytes (512 tokens at
-# V=100k), and at most MAX_CHUNK tokens. Measured on CPU (docs/kernels.md): 128-token
-# chunks ran ~30% slower than 512 or 1024, probably because h_c^T dz contracts over the
-# chunk only (a poor GEMM) and every chunk rewrites the whole fp32 d_weight accumulator.
-# Still a fraction of naive's memory.
-CHUNK_BYTES, MAX_CHUNK = 256 * 2**20, 1024
+# One chunk of logits in the xla path is at most about CHUNK_BYTES (fp32: 512 tokens at
+# V=100k on CPU), and at most MAX_CHUNK tokens, by backend. Measured on CPU (docs/kernels.md):
+# 128-token chunks ran ~30% slower than 512 or 1024, probably because h_c^T dz contracts over
+# the chunk only (a poor GEMM) and every chunk rewrites the whole fp32 d_weight accumulator.
+# On a GPU that rewrite costs d * V * 8 bytes of HBM traffic a chunk, so chunks are larger
+# there (docs/kernels.md, "On a GPU"). Still a fraction of naive's memory.
+CHUNK_BYTES = {"gpu": 2 * 2**30}
+MAX_CHUNK = {"gpu": 8192}
+DEFAULT_CHUNK_BYTES, DEFAULT_MAX_CHUNK = 256 * 2**20, 1024
 
 
 # ---------------------------------------------------------------------------- math
@@ -81,11 +87,22 @@ def naive_cross_entropy(hidden, weight, labels, cap):
 
 
 # ----------------------------------------------------------------------------- xla
-def default_chunk(n: int, vocab: int) -> int:
-  """Tokens per chunk: a power of two within CHUNK_BYTES of fp32 logits, no more than n needs."""
-  rows = max(1, CHUNK_BYTES // (4 * vocab))
+def default_chunk(n: int, vocab: int, itemsize: int = 4) -> int:
+  """Tokens per chunk: a power of two within CHUNK_BYTES of logits (`itemsize` bytes each), no
+  more than n needs."""
+  platform = backend()
+  rows = max(1, CHUNK_BYTES.get(platform, DEFAULT_CHUNK_BYTES) // (itemsize * vocab))
   c = 1 << (rows.bit_length() - 1)  # the largest power of two <= rows
-  return min(max(c, 16), MAX_CHUNK, round_up(n, 8))
+  return min(max(c, 16), MAX_CHUNK.get(platform, DEFAULT_MAX_CHUNK), round_up(n, 8))
+
+
+def chunk_logits(h_c, weight):
+  """h_c @ weight stored in the operands' dtype (fp32 accumulation inside the matmul), read as fp32.
+
+  The barrier keeps XLA from folding the fp32 convert back into the matmul's output type."""
+  z = lax.dot_general(h_c, weight, (((1,), (0,)), ((), ())), precision=PRECISION if h_c.dtype == jnp.float32
+                      else None, preferred_element_type=h_c.dtype)
+  return lax.optimization_barrier(z).astype(jnp.float32)
 
 
 def _split(chunk, *xs):
@@ -98,7 +115,7 @@ def _chunk_grads(hidden, weight, labels, lse, g_loss, g_lse, cap, chunk):
 
   def step(d_weight, xs):
     h_c, lab_c, lse_c, gl_c, gz_c = xs
-    dz = rows_dlogits(matmul(h_c, weight), lab_c, lse_c, gl_c, gz_c, cap)
+    dz = rows_dlogits(chunk_logits(h_c, weight), lab_c, lse_c, gl_c, gz_c, cap)
     dz = dz.astype(weight.dtype)  # grads in the input dtype; products still sum in fp32
     d_h = matmul(dz, weight, (1, 1))  # [chunk, V] x [d, V] -> [chunk, d]
     return d_weight + matmul(h_c, dz, (0, 0)), d_h  # += [chunk, d]^T x [chunk, V]
@@ -121,7 +138,7 @@ def _chunk_grads(hidden, weight, labels, lse, g_loss, g_lse, cap, chunk):
 def _chunked(hidden, weight, labels, cap, chunk):
   def one(xs):
     h_c, lab_c = xs
-    return rows_loss(soft_cap(matmul(h_c, weight), cap), lab_c)
+    return rows_loss(soft_cap(chunk_logits(h_c, weight), cap), lab_c)
 
   loss, lse = lax.map(one, _split(chunk, hidden, labels))
   return loss.reshape(-1), lse.reshape(-1)
@@ -132,7 +149,7 @@ def _chunked_fwd(hidden, weight, labels, cap, chunk):
 
   def step(d_weight, xs):  # loss, lse and the gradient of sum(loss), one chunk at a time
     h_c, lab_c = xs
-    u = matmul(h_c, weight)
+    u = chunk_logits(h_c, weight)
     loss, lse = rows_loss(soft_cap(u, cap), lab_c)
     dz = rows_dlogits(u, lab_c, lse, ones, 0 * ones, cap).astype(weight.dtype)
     d_h = matmul(dz, weight, (1, 1))
@@ -209,13 +226,14 @@ def fused_cross_entropy(
   """Per-row (multi-hot) CE of softmax(hidden @ weight): lse(z) - sum_v w_v z_v, REFERENCE.md s.4.
 
   hidden [n, d], weight [d, vocab], labels [n, s] int (s=1 plain CE, s>1 bag mean,
-  negative = ignored, must be < vocab). Logits are fp32 whatever the input dtype.
+  negative = ignored, must be < vocab). The loss math is fp32 whatever the input dtype; the
+  logits are fp32 in naive and pallas, and the operands' dtype (then fp32) in xla.
   Returns loss [n] float32, or (loss, lse) with return_lse (lse is differentiable too,
   for a z-loss). chunk_size: tokens per chunk for impl="xla" (default: <= 256 MiB of logits).
-  impl: one of IMPLS; "auto" is "pallas" on GPU and TPU and "xla" on CPU.
+  impl: one of IMPLS; "auto" is the one measured fastest on this backend (_common.AUTO), else "xla".
   """
   _check(hidden, weight, labels, logit_soft_cap, chunk_size)
-  family, interpret = resolve_impl(impl)
+  family, interpret = resolve_impl(impl, "cross_entropy")
   labels = labels.astype(jnp.int32)
   # One compute dtype for both matmul operands (bf16 stays bf16, mixed goes up).
   dtype = jnp.promote_types(hidden.dtype, weight.dtype)
@@ -223,7 +241,7 @@ def fused_cross_entropy(
   if family == "naive":
     loss, lse = naive_cross_entropy(hidden, weight, labels, logit_soft_cap)
   elif family == "xla":
-    chunk = chunk_size or default_chunk(hidden.shape[0], weight.shape[1])
+    chunk = chunk_size or default_chunk(hidden.shape[0], weight.shape[1], jnp.dtype(dtype).itemsize)
     loss, lse = xla_cross_entropy(hidden, weight, labels, logit_soft_cap, chunk)
   else:
     tpu = backend() == "tpu"  # VMEM-tiled kernels there, Triton-style elsewhere

@@ -163,7 +163,7 @@ def codebook_mix(logits: jax.Array, codebook: jax.Array, *, mode: str = "softmax
         f"need logits [..., S, N] and codebook [S, N, d/S] with the same S, N; got "
         f"logits {logits.shape}, codebook {codebook.shape}"
     )
-  family, interpret = resolve_impl(impl)
+  family, interpret = resolve_impl(impl, "codebook_mix")
   if family == "pallas":
     return mix_pallas(logits, codebook, mode, interpret)
   return mix_reference(logits, codebook, mode)  # "naive" and "xla" are the same einsum

@@ -6,8 +6,9 @@ under test, and its gradients are themselves checked by finite differences.
 
 Tolerances. fp32 inputs: the kernels compute fp32 logits, so values and gradients agree
 with float64 to ~1e-6 relative; we allow 1e-5 of the largest reference magnitude.
-bf16 inputs: we feed NumPy the same bf16-rounded numbers, so the logits still agree to
-fp32 accuracy (bf16 x bf16 products are exact in fp32) and the loss keeps a 1e-4 bound;
+bf16 inputs: we feed NumPy the same bf16-rounded numbers, so fp32 logits still agree to
+fp32 accuracy (bf16 x bf16 products are exact in fp32) and the loss keeps a 1e-4 bound (the
+xla impl stores its logits in bf16, each within 2^-9 of itself, so its loss and lse get 2e-3);
 but the gradients are returned in bf16 (8-bit mantissa, relative step 2^-8 = 0.4%) and
 dz is rounded to bf16 before the gradient matmuls, so gradients get 2e-2 of the largest
 reference magnitude.
@@ -173,7 +174,8 @@ def test_cross_entropy_bf16(impl, cotangent):
   ref = np_cross_entropy(np.asarray(h, np.float64), np.asarray(w, np.float64), labels, 4.0,
                          g_loss, g_lse)
   assert got[0].dtype == jnp.float32 and got[2].dtype == jnp.bfloat16
-  for a, b, tol in zip(got, ref, (1e-4, 1e-4, 2e-2, 2e-2)):
+  value_tol = 2e-3 if impl == "xla" else 1e-4
+  for a, b, tol in zip(got, ref, (value_tol, value_tol, 2e-2, 2e-2)):
     _close(a, b, tol)
 
 
@@ -245,7 +247,7 @@ def test_cross_entropy_auto_and_default_chunk():
   rng = np.random.default_rng(2)
   h, w = rng.normal(size=(50, 8)).astype(np.float32), rng.normal(size=(8, 40)).astype(np.float32)
   labels = rng.integers(-1, 40, size=(50, 1))
-  assert resolve_impl("auto") == ("xla", False)  # tests run on CPU
+  assert resolve_impl("auto", "cross_entropy") == ("xla", False)  # tests run on CPU
   got = pk.fused_cross_entropy(jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels))
   _close(got, np_cross_entropy(h, w, labels, None, np.ones(50), np.zeros(50))[0], 1e-5)
 

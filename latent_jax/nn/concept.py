@@ -61,6 +61,7 @@ class ResidualStack(nnx.Module):
     self.blocks.set_attributes(windows=T.window_sizes(*self.windows))
     self.num_layers, self.irc, self.irc_softmax = num_layers, cfg.irc, cfg.irc_softmax
     self.remat, self.dtype = cfg.remat, jnp.dtype(cfg.dtype)
+    self.unroll = cfg.get("scan_unroll", 1)
 
   def __call__(self, x, positions, segment_ids, sources=(), cache=None, cache_index=None):
     """x [B, T, d]; sources: one [K, B, T, d] array per route, aligned to these positions.
@@ -100,7 +101,8 @@ class ResidualStack(nnx.Module):
       x, outs = history_scan(body, x, history, layers, consts)
       return x, outs, None
     body = remat(body, self.remat)
-    (x, _), (outs, cache) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history), layers)
+    (x, _), (outs, cache) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history), layers,
+                                         unroll=self.unroll)
     return x, outs, cache
 
   def init_cache(self, cfg, batch, length, dtype):
