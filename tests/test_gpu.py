@@ -2,9 +2,12 @@
 GPU against their naive reference on the same GPU, every attention implementation against
 dense, and a bf16 train step against float32. Deselected elsewhere (conftest.py says why).
 
-Errors are max |got - want| / max |want| over the output and every gradient. fp32: both sides
-ask for HIGHEST precision, so only summation order differs. bf16: the kernels round softmax
-weights and dz to bf16 before the gradient matmuls, as the CPU tests' bf16 bounds say.
+Errors are max |got - want| / max |want| over the output and every gradient. fp32 kernels: both
+sides ask for HIGHEST precision, so only summation order differs (1e-4). fp32 attention: XLA's
+and Triton's fp32 dots on a GPU run in TF32 (10-bit mantissa) by default, dense's included, so
+implementations differ by ~5e-4 (xla_blocked against dense on an H200: 4.2e-4 to 6.9e-4); 2e-3.
+bf16: the kernels round softmax weights and dz to bf16 before the gradient matmuls, as the CPU
+tests' bf16 bounds say (2e-2).
 """
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from latent_jax.ops.transformer import NO_WINDOW
 
 pytestmark = pytest.mark.gpu
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
+ATTENTION_TOL = {"float32": 2e-3, "bfloat16": 2e-2}
 
 
 def rel_error(got, want):
@@ -45,9 +49,10 @@ def test_cross_entropy_pallas_matches_naive(dtype, n, d, vocab, s, cap):
   assert rel_error(run("xla"), run("naive")) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# The 8.94B model's S = 32, N = 128 in bf16 only: in fp32 its Triton compile alone took 50 s.
 @pytest.mark.parametrize("mode", ["softmax", "raw"])
-@pytest.mark.parametrize("m,segments,codes,width", [(300, 4, 16, 8), (1000, 32, 128, 128)])
+@pytest.mark.parametrize("dtype,m,segments,codes,width", [("float32", 300, 4, 16, 8), ("bfloat16", 300, 4, 16, 8),
+                                                          ("bfloat16", 1000, 32, 128, 128)])
 def test_codebook_mix_pallas_matches_naive(dtype, mode, m, segments, codes, width):
   k = jax.random.split(jax.random.key(m), 3)
   logits = jax.random.normal(k[0], (m, segments, codes)).astype(dtype)
@@ -93,8 +98,8 @@ def test_attention_matches_dense(dtype, t, window, docs):
   seg, pos = packed_rows(2, t, docs)
   run = lambda impl: jax.jit(lambda *a: attention_and_grads(impl, *a, window, cot))(q, key, val, seg, pos)
   want = run("dense")
-  for impl in IMPLS_BY_DTYPE[dtype]:
-    assert rel_error(run(impl), want) <= TOL[dtype], impl
+  errors = {impl: rel_error(run(impl), want) for impl in IMPLS_BY_DTYPE[dtype]}
+  assert all(e <= ATTENTION_TOL[dtype] for e in errors.values()), errors
 
 
 def test_attention_cudnn_bags():
@@ -107,7 +112,7 @@ def test_attention_cudnn_bags():
   seg, pos = packed_rows(2, t, 2)
   pos = pos * 4
   run = lambda impl: jax.jit(lambda *a: attention_and_grads(impl, *a, window, cot))(q, key, val, seg, pos)
-  assert rel_error(run("cudnn"), run("dense")) <= TOL["bfloat16"]
+  assert rel_error(run("cudnn"), run("dense")) <= ATTENTION_TOL["bfloat16"]
 
 
 def test_bf16_train_step_matches_float32():

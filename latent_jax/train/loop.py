@@ -173,7 +173,7 @@ def run(cfg, workdir, allow_data_change, started):
             last_time = time.perf_counter()  # keep evaluation out of the throughput
           writer.write(step, metrics)
           bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:,.0f}",
-                          mfu=f"{metrics['mfu']:.1%}")
+                          mfu=f"{100 * metrics['mfu']:.2g}%")  # two digits: a tiny model on a GPU is at 0.05%
         bar.update(1)
         # The phase-1 result goes to WORKDIR/phase1, synchronously: phase 2 starts by restoring it.
         switch = is_last and phase.number == 1
