@@ -8,7 +8,6 @@ The JSON line says what was covered: `batches` of `split_batches`, and the score
 """
 import json
 
-import jax
 from flax import nnx
 
 from latent_jax import cli, distributed
@@ -24,18 +23,18 @@ def evaluate_dir(directory, step=None, max_batches=None):
   cfg, step = load.load_config(directory, step)
   data = build_data(cfg, directory)
   max_batches = cfg.train.eval_batches if max_batches is None else max_batches
-  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
-                             jax.process_index(), jax.process_count())
   split_batches = val_batch_count(len(data.val_tokens), cfg.data.seq_len, cfg.data.batch_size)
   # Evaluation runs data-parallel on the devices here, whatever mesh trained the checkpoint.
   cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1
   mesh = sharding.make_mesh(cfg.mesh)
+  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
+                             sharding.process_rows(cfg.data.batch_size, mesh))
   _, abstract = steps.abstract_model(cfg.model)
   param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
   graphdef, params = load.load_params(directory, cfg, step, load.by_path(param_shardings))
-  eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh)
-  result = steps.evaluate(eval_step, params, batches, steps.scored_bytes(batches, data.tokenizer.token_bytes), mesh)
-  tokens = sum(int((b["targets"] >= 0).sum()) for b in batches)
+  eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh, data.tokenizer.token_bytes)
+  result = steps.evaluate(eval_step, params, batches, mesh, cfg.data.batch_size)
+  tokens = result.pop("val_tokens")
   return {"step": step, **result, "batches": len(batches), "split_batches": split_batches, "tokens": tokens}
 
 

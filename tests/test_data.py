@@ -149,19 +149,23 @@ def test_shuffle_is_seeded_and_reshuffled_each_epoch():
   assert epoch1 != epoch2 and epoch1 != list(range(n_windows))
 
 
+def host_rows(batch, hosts):
+  """Each host's rows when the batch splits over hosts in contiguous blocks (data parallelism)."""
+  return np.split(np.arange(batch), hosts)
+
+
 @pytest.mark.parametrize("process_count", [2, 4])
-def test_host_shards_are_disjoint_and_make_the_global_batch(process_count):
+def test_host_rows_are_the_global_batchs_rows(process_count):
   seq_len, batch = 4, 8
   data = fake_data(np.arange(1, 40 * seq_len + 2))
   single = take(make_train_iterator(data, seq_len, batch, seed=3), 12)
-  hosts = [take(make_train_iterator(data, seq_len, batch, 3, p, process_count), 12)
-           for p in range(process_count)]
+  hosts = [take(make_train_iterator(data, seq_len, batch, 3, rows), 12) for rows in host_rows(batch, process_count)]
   for step in range(12):
-    shards = [window_ids(h[step], seq_len) for h in hosts]
-    assert all(len(s) == batch // process_count for s in shards)
-    flat = [w for s in shards for w in s]
-    assert len(set(flat)) == len(flat)
-    assert sorted(flat) == sorted(window_ids(single[step], seq_len))
+    assert_batches_equal([{k: np.concatenate([h[step][k] for h in hosts]) for k in single[step]}], [single[step]])
+  # Rows in any order of blocks, and replicas: a host holding rows {0, 1, 6, 7} reads exactly those.
+  odd = take(make_train_iterator(data, seq_len, batch, 3, [0, 1, 6, 7]), 3)
+  for step in range(3):
+    assert window_ids(odd[step], seq_len) == [window_ids(single[step], seq_len)[i] for i in (0, 1, 6, 7)]
 
 
 @pytest.mark.parametrize("process_count", [1, 2, 4])
@@ -171,17 +175,17 @@ def test_iterator_started_at_k_continues_any_host_count(process_count):
   data = fake_data(np.arange(1, 30 * 8 + 2))
   uninterrupted = take(make_train_iterator(data, 8, 4, seed=7), 11)
   for start in (0, 5, 9):
-    hosts = [take(make_train_iterator(data, 8, 4, 7, p, process_count, start=start), 11 - start)
-             for p in range(process_count)]
+    hosts = [take(make_train_iterator(data, 8, 4, 7, rows, start=start), 11 - start)
+             for rows in host_rows(4, process_count)]
     for k in range(11 - start):
-      rows = sorted(w for h in hosts for w in window_ids(h[k], 8))
-      assert rows == sorted(window_ids(uninterrupted[start + k], 8))
+      rows = [w for h in hosts for w in window_ids(h[k], 8)]
+      assert rows == window_ids(uninterrupted[start + k], 8)
 
 
 def test_iterator_errors():
   data = fake_data(np.arange(1, 10 * 8 + 2))  # 10 rows of 8
   with pytest.raises(ValueError, match="data.batch_size"):
-    make_train_iterator(data, 8, 6, 0, process_index=0, process_count=4)
+    make_train_iterator(data, 8, 6, 0, rows=[4, 6])
   with pytest.raises(ValueError, match=r"81 tokens.*data.seq_len=8.*data.batch_size=16"):
     make_train_iterator(data, 8, 16, 0)
   with pytest.raises(ValueError, match="data.seq_len"):
@@ -216,11 +220,12 @@ def test_val_batches_score_every_token_once(seq_len, batch):
   first = make_val_batches(data, seq_len, batch, max_batches=1)
   assert len(first) == 1
   assert_batches_equal(first, batches[:1])
-  # Host shards split each batch's rows.
+  # Hosts build only their own rows of each batch.
   if batch % 2 == 0:
-    halves = [make_val_batches(data, seq_len, batch, 0, p, 2) for p in range(2)]
+    halves = [make_val_batches(data, seq_len, batch, 0, rows) for rows in host_rows(batch, 2)]
     for b, h0, h1 in zip(batches, *halves):
-      np.testing.assert_array_equal(np.concatenate([h0["targets"], h1["targets"]]), b["targets"])
+      for k in b:
+        np.testing.assert_array_equal(np.concatenate([h0[k], h1[k]]), b[k])
 
 
 # ----------------------------------------------------------------------------- corpus

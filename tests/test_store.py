@@ -66,12 +66,11 @@ def test_store_resume_and_hosts_read_their_own_rows(store_dir, tmp_path):
   data = build_data(tiny_config(store_dir), str(tmp_path))
   whole = take(make_train_iterator(data, 16, 4, seed=1), 7)
   assert_batches_equal(take(make_train_iterator(data, 16, 4, seed=1, start=4), 3), whole[4:])
-  hosts = [take(make_train_iterator(data, 16, 4, seed=1, process_index=p, process_count=2, start=2), 5)
-           for p in range(2)]
-  for k in range(5):  # host p holds rows p, p + 2 of the single-host batch: disjoint, together all of it
+  hosts = [take(make_train_iterator(data, 16, 4, seed=1, rows=rows, start=2), 5) for rows in ([0, 1], [2, 3])]
+  for k in range(5):  # host p holds rows 2p, 2p + 1 of the single-host batch: disjoint, together all of it
     for p in range(2):
       for key in whole[0]:
-        np.testing.assert_array_equal(hosts[p][k][key], whole[2 + k][key][p::2])
+        np.testing.assert_array_equal(hosts[p][k][key], whole[2 + k][key][2 * p:2 * p + 2])
 
 
 def store_files(directory):

@@ -388,8 +388,8 @@ def test_phase2_starts_from_the_saved_phase1_result_with_its_optimiser(straight,
   val = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, _ = steps.abstract_model(cfg.model)
-  eval_step = steps.make_eval_step(graphdef, cfg, None, mesh)
-  got = steps.evaluate(eval_step, saved["params"], val, steps.scored_bytes(val, data.tokenizer.token_bytes), mesh)
+  eval_step = steps.make_eval_step(graphdef, cfg, None, mesh, data.tokenizer.token_bytes)
+  got = steps.evaluate(eval_step, saved["params"], val, mesh, cfg.data.batch_size)
   assert got["val_loss"] == pytest.approx(rows[1]["val_loss"], rel=1e-6)
 
 

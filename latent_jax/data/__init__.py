@@ -3,7 +3,7 @@
   data = build_data(cfg, workdir)                      # Data: tokenizer, token streams (in memory,
                                                        # or a token store's, read on demand)
   save_tokenizer(data, workdir)                        # a trained tokenizer, once checks pass
-  it = make_train_iterator(data, seq_len, batch_size, seed, process_index, process_count)
+  it = make_train_iterator(data, seq_len, batch_size, seed, rows)  # rows: this host's, None = all
   batch = next(it)            # {"inputs", "targets", "segment_ids", "positions"} int32
   val = make_val_batches(data, seq_len, batch_size, max_batches)
 

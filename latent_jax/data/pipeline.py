@@ -15,18 +15,20 @@ restarts at position 0 in the next row.
 
 Training: `make_train_iterator` builds
 
-  MapDataset.range(windows).shuffle(seed).repeat()   # reshuffled every epoch
-      [process_index::process_count]                 # per-host shard, before batching
-      .map(window).batch(batch_size // process_count)[start:]
-      .map(pack_rows).to_iter_dataset()
+  MapDataset.range(windows).shuffle(seed).repeat()   # window indices, reshuffled every epoch
+      .batch(batch_size)[start:]                     # the global batches, as indices
+      .map(the windows of `rows` only -> pack_rows).to_iter_dataset()
 
-The rows of the hosts' batch k, together, are rows k*batch_size .. (k+1)*batch_size - 1 of the
-shuffled stream whatever the number of hosts, so the data position is one number, the batches
-read so far: a checkpoint needs no iterator state, and a run resumes on any number of hosts
+Row r of global batch k is element k*batch_size + r of the shuffled stream, whatever the number
+of hosts; a host reads only the rows its devices hold (`rows`, from the batch sharding:
+train/sharding.process_rows), and hosts whose devices hold replicas of the same rows (a tensor
+axis across hosts) read the same ones. So the data position is one number, the batches read so
+far: a checkpoint needs no iterator state, and a run resumes on any number of hosts and any mesh
 (`start` = the steps taken in the current phase).
 
 Validation: `make_val_batches` covers the validation stream once, in order; padding
-has targets -1, so every real token after the first is scored exactly once.
+has targets -1, so every real token after the first is scored exactly once. It too builds
+only the rows `rows` names.
 """
 from __future__ import annotations
 
@@ -104,12 +106,17 @@ def count_entropy(counts: np.ndarray) -> float:
 # ----------------------------------------------------------------------------- train
 
 
-def _check_shape(seq_len: int, batch_size: int, process_count: int = 1):
+def _check_shape(seq_len: int, batch_size: int, rows=None):
   if seq_len < 2:
     raise ValueError(f"data.seq_len={seq_len} must be at least 2 (an input and a target).")
-  if batch_size < 1 or batch_size % process_count:
-    raise ValueError(f"data.batch_size={batch_size} must be a positive multiple of the "
-                     f"process count ({process_count}): it is the global batch.")
+  if batch_size < 1:
+    raise ValueError(f"data.batch_size={batch_size} must be positive: it is the global batch.")
+  if rows is not None and not (len(rows) and 0 <= min(rows) and max(rows) < batch_size):
+    raise ValueError(f"rows {list(rows)[:8]}... must be row indices in [0, data.batch_size={batch_size}).")
+
+
+def _local_rows(batch_size, rows):
+  return np.arange(batch_size) if rows is None else np.asarray(rows)
 
 
 def _check_fits(n_tokens: int, seq_len: int, batch_size: int):
@@ -127,29 +134,24 @@ def _shuffle_seed(seed: int) -> int:
   return int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
 
 
-def make_train_iterator(data: Data, seq_len: int, batch_size: int, seed: int,
-                        process_index: int = 0, process_count: int = 1, start: int = 0):
-  """An endless, seeded iterator of this host's training batches, from batch `start` on.
+def make_train_iterator(data: Data, seq_len: int, batch_size: int, seed: int, rows=None, start: int = 0):
+  """An endless, seeded iterator of training batches, from batch `start` on: of each global batch
+  of `batch_size` rows, the rows `rows` (sorted indices; None = all), which this host's devices hold.
 
-  Yields {"inputs", "targets", "segment_ids", "positions"}: int32
-  [batch_size // process_count, seq_len]. The hosts' batches at one step, stacked in
-  process order, hold the same rows as the single-host batch of that step.
+  Yields {"inputs", "targets", "segment_ids", "positions"}: int32 [len(rows), seq_len].
   """
-  if not 0 <= process_index < process_count:
-    raise ValueError(f"process_index={process_index} must be in [0, {process_count}).")
   stream = data.train_tokens
-  _check_shape(seq_len, batch_size, process_count)
+  _check_shape(seq_len, batch_size, rows)
   _check_fits(len(stream), seq_len, batch_size)
-  eos_id = data.tokenizer.eos_id
+  eos_id, rows = data.tokenizer.eos_id, _local_rows(batch_size, rows)
 
-  def window(i):
-    return stream[i * seq_len:i * seq_len + seq_len + 1]
+  def windows(indices):
+    return np.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in indices[rows]])
 
   ds = grain.MapDataset.range(num_windows(len(stream), seq_len))
   ds = ds.shuffle(seed=_shuffle_seed(seed)).repeat()
-  ds = ds[process_index::process_count]
-  ds = ds.map(window).batch(batch_size // process_count, drop_remainder=True)[start:]
-  ds = ds.map(lambda w: pack_rows(w, eos_id))
+  ds = ds.batch(batch_size, drop_remainder=True)[start:]  # window indices: cheap, whatever the batch
+  ds = ds.map(lambda indices: pack_rows(windows(indices), eos_id))
   # A couple of threads are plenty (a batch takes microseconds) and leave the CPU cores
   # to the training step.
   read = grain.ReadOptions(num_threads=2, prefetch_buffer_size=8)
@@ -165,32 +167,29 @@ def val_batch_count(n_tokens: int, seq_len: int, batch_size: int) -> int:
   return -(-rows // batch_size)
 
 
-def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int = 0,
-                     process_index: int = 0, process_count: int = 1):
-  """The validation stream once, in order: a list of batches (this host's rows).
+def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int = 0, rows=None):
+  """The validation stream once, in order: a list of batches, of each the rows `rows` (sorted
+  indices into the global batch, which this host's devices hold; None = all).
 
   The last window and the last batch are padded (inputs pad_id, targets -1,
   segment_ids 0, positions 0). `max_batches > 0` keeps only the first batches.
   """
-  _check_shape(seq_len, batch_size, process_count)
-  stream, pad = data.val_tokens, data.tokenizer.pad_id
+  _check_shape(seq_len, batch_size, rows)
+  stream, pad, rows = data.val_tokens, data.tokenizer.pad_id, _local_rows(batch_size, rows)
   n = len(stream)
   n_batches = val_batch_count(n, seq_len, batch_size)
   if max_batches > 0:
     n_batches = min(n_batches, max_batches)
-  padded = np.full(n_batches * batch_size * seq_len + 1, pad, np.int32)
-  padded[:min(n, len(padded))] = stream[:len(padded)]
-  starts = np.arange(n_batches * batch_size)[:, None] * seq_len
-  g = starts + np.arange(seq_len + 1)  # stream position of each window token
-  packed = pack_rows(padded[g], data.tokenizer.eos_id)
+  starts = (np.arange(n_batches)[:, None] * batch_size + rows).reshape(-1, 1) * seq_len
+  g = starts + np.arange(seq_len + 1)  # stream position of each window token, this host's rows only
+  window = np.append(np.asarray(stream[:min(n, g.max() + 1)], np.int32), pad)  # never empty
+  packed = pack_rows(np.where(g < n, window[np.minimum(g, len(window) - 1)], pad), data.tokenizer.eos_id)
   real_input, real_target = g[:, :-1] < n, g[:, 1:] < n
   packed["targets"] = np.where(real_target, packed["targets"], -1).astype(np.int32)
   packed["segment_ids"] = np.where(real_input, packed["segment_ids"], 0).astype(np.int32)
   packed["positions"] = np.where(real_input, packed["positions"], 0).astype(np.int32)
-  local = batch_size // process_count
-  lo = process_index * local
-  return [{k: v[b * batch_size + lo:b * batch_size + lo + local] for k, v in packed.items()}
-          for b in range(n_batches)]
+  local = len(rows)
+  return [{k: v[b * local:(b + 1) * local] for k, v in packed.items()} for b in range(n_batches)]
 
 
 # ----------------------------------------------------------------------------- build

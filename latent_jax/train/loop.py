@@ -67,12 +67,11 @@ def run(cfg, workdir, allow_data_change, started):
   data = build_data(cfg, workdir, source)
   plan = phases.plan(cfg)
   phases.check_data(plan, data.train_tokens.size, cfg.data.batch_size)
-  val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches,
-                                 jax.process_index(), jax.process_count())
-  val_bytes = steps.scored_bytes(val_batches, data.tokenizer.token_bytes)
+  rows = sharding.process_rows(cfg.data.batch_size, mesh)  # of each global batch, those this host's devices hold
+  val_batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches, rows)
   # The data position is the phase's step count: no iterator state to save, any host count resumes.
   open_iterator = lambda phase, step: make_train_iterator(data, phase.seq_len, cfg.data.batch_size, phase.data_seed,
-                                                          jax.process_index(), jax.process_count(), step - phase.start)
+                                                          rows, step - phase.start)
 
   # Model and state shardings (every phase's optimiser state has the same structure).
   graphdef, abstract_params = steps.abstract_model(cfg)  # with the training-only heads (NITP, MTP)
@@ -114,7 +113,7 @@ def run(cfg, workdir, allow_data_change, started):
   if step:
     say(f"resumed from {saved.path(step)}")
 
-  eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh)
+  eval_step = steps.make_eval_step(graphdef, cfg, shardings["params"], mesh, data.tokenizer.token_bytes)
   is_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])))
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
   peak = float(distributed.from_primary(peak)) * jax.device_count()  # one figure: the hosts' own may differ
@@ -144,7 +143,7 @@ def run(cfg, workdir, allow_data_change, started):
       bar = tqdm.tqdm(total=phase.end, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
       last_time, last_step = time.perf_counter(), step
       while step < phase.end:
-        batch = sharding.global_batch(next(train_iter), mesh)
+        batch = sharding.global_batch(next(train_iter), mesh, cfg.data.batch_size)
         state, step_metrics = train_step(state, batch)
         step += 1
         is_last = step == phase.end
@@ -169,7 +168,8 @@ def run(cfg, workdir, allow_data_change, started):
           if phase.number is not None:
             metrics["phase"] = phase.number
           if eval_now:
-            metrics.update(steps.evaluate(eval_step, state["params"], val_batches, val_bytes, mesh))
+            val = steps.evaluate(eval_step, state["params"], val_batches, mesh, cfg.data.batch_size)
+            metrics.update(val_loss=val["val_loss"], val_bpb=val["val_bpb"])
             last_time = time.perf_counter()  # keep evaluation out of the throughput
           writer.write(step, metrics)
           bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:,.0f}",

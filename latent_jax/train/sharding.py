@@ -141,7 +141,18 @@ def check_batch(batch_size, mesh, microbatches):
                       f"use a batch size that is a multiple of {microbatches * shards}, or fewer microbatches.")
 
 
-def global_batch(local, mesh):
-  """Assemble this host's numpy batch rows into one global array sharded over the batch axes."""
+def process_rows(batch_size, mesh):
+  """The rows of a global batch that this process's devices hold (sorted indices): what it reads.
+
+  Contiguous blocks per device under the batch sharding; a process whose devices hold replicas
+  (a tensor axis across processes) reads the same rows as the others in its replica group."""
+  indices = batch_sharding(mesh).addressable_devices_indices_map((batch_size,)).values()
+  return np.unique(np.concatenate([np.arange(batch_size)[i[0]] for i in indices]))
+
+
+def global_batch(local, mesh, batch_size=None):
+  """Assemble this host's numpy batch rows (`process_rows`, in order) into one global array of
+  `batch_size` rows (default: the local rows, all of them) sharded over the batch axes."""
   sharding = batch_sharding(mesh)
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local)
+  shape = lambda x: (batch_size or x.shape[0], *x.shape[1:])
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x), shape(x)), local)

@@ -121,23 +121,27 @@ def split_microbatches(batch, k, mesh):
   return jax.lax.with_sharding_constraint(jax.tree.map(split, batch), sharding.microbatch_sharding(mesh))
 
 
-def make_eval_step(graphdef, cfg, param_shardings, mesh):
+def make_eval_step(graphdef, cfg, param_shardings, mesh, token_bytes):
+  """The jitted (summed NLL, scored tokens, their UTF-8 bytes) of one global batch. The bytes
+  (`token_bytes`: the tokenizer's bytes per id) are summed on the devices, over the whole batch,
+  like the loss: the same figures whatever the number of hosts."""
+  table = np.asarray(token_bytes, np.int32)
+
   def eval_step(params, batch):
     with sharding.use_mesh(mesh):
-      return objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
+      nll, count = objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
+    targets = batch["targets"]
+    scored = jnp.where(targets >= 0, jnp.asarray(table)[jnp.maximum(targets, 0)], 0)
+    return nll, count, jnp.sum(scored)
   return jax.jit(eval_step, in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.replicated(mesh))
 
 
-def scored_bytes(batches, token_bytes):
-  """UTF-8 bytes of all scored target tokens: the denominator of bits per byte."""
-  return sum(int(token_bytes[b["targets"][b["targets"] >= 0]].sum()) for b in batches)
-
-
-def evaluate(eval_step, params, batches, num_bytes, mesh):
-  """Mean next-token loss (nats) and bits per byte over `batches`."""
-  nll, count = 0.0, 0
+def evaluate(eval_step, params, batches, mesh, batch_size):
+  """Mean next-token loss (nats), bits per byte and the scored tokens over `batches` (this host's
+  rows of global batches of `batch_size` rows)."""
+  nll, count, num_bytes = 0.0, 0, 0
   for b in batches:
-    s, n = eval_step(params, sharding.global_batch(b, mesh))
-    nll, count = nll + float(s), count + int(n)
-  return {"val_loss": nll / max(count, 1), "val_bpb": nll / math.log(2) / max(num_bytes, 1)}
+    s, n, nb = eval_step(params, sharding.global_batch(b, mesh, batch_size))
+    nll, count, num_bytes = nll + float(s), count + int(n), num_bytes + int(nb)
+  return {"val_loss": nll / max(count, 1), "val_bpb": nll / math.log(2) / max(num_bytes, 1), "val_tokens": count}
