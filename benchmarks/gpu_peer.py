@@ -114,7 +114,8 @@ def torch_step_times(steps):
     step()
     torch.cuda.synchronize()
     times.append(time.perf_counter() - start)
-  return {"side": "torch", "torch": torch.__version__, "compile_s": round(compile_s, 1), "times": times}
+  return {"side": "torch", "torch": torch.__version__, "compile_s": round(compile_s, 1), "times": times,
+          "tokens_per_step": s["batch"] * s["seq"]}
 
 
 # ----------------------------------------------------------------------------------- jax
@@ -127,7 +128,8 @@ def jax_step_times(config, overrides, steps, profile_dir):
   compiled, state, batch, compile_s = setup(cfg)
   state, _, _ = run_steps(compiled, state, batch, 3)
   state, times, _ = run_steps(compiled, state, batch, steps)
-  out = {"side": "jax", "jax": jax.__version__, "compile_s": round(compile_s, 1), "times": times}
+  out = {"side": "jax", "jax": jax.__version__, "compile_s": round(compile_s, 1), "times": times,
+         "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len}
   if profile_dir:
     out["profile"] = profile(compiled, state, batch, profile_dir)
     with open(os.path.join(profile_dir, "step.hlo.txt"), "w") as f:  # fusion names -> their HLO
@@ -215,10 +217,10 @@ def main():
   p.add_argument("--profile", default="", help="variants to profile (comma-separated), or 'all'")
   p.add_argument("--trace_dir", default="/tmp/gpu_peer", help="where profiles and step HLO go, a folder per variant")
   p.add_argument("--no-torch", action="store_true", help="jax variants only (ratios then omitted)")
-  p.add_argument("--config", default=CONFIG, help="the jax side's config (another one only to try the script)")
+  p.add_argument("--config", default=CONFIG, help="the jax side's config; with another than the default, "
+                 "add --no-torch (the torch side has the default's shape), e.g. to profile configs/baseline_1b.py")
   a = p.parse_args()
   import numpy as np
-  tokens = SHAPE["batch"] * SHAPE["seq"]
   rows = []
   torch_tps = None
   if not a.no_torch:
@@ -226,7 +228,7 @@ def main():
     if "error" in r:
       print(f"torch: failed: {r['error']}", flush=True)
     else:
-      torch_tps = tokens / float(np.median(r["times"]))
+      torch_tps = r["tokens_per_step"] / float(np.median(r["times"]))
       print(f"torch {r['torch']}: compile {r['compile_s']} s, {1e3 * float(np.median(r['times'])):.1f} ms/step, "
             f"{torch_tps:,.0f} tokens/s", flush=True)
       rows.append(("torch.compile nanoGPT", torch_tps, r))
@@ -238,7 +240,7 @@ def main():
     if "error" in r:
       print(f"{name}: failed: {r['error']}", flush=True)
       continue
-    tps = tokens / float(np.median(r["times"]))
+    tps = r["tokens_per_step"] / float(np.median(r["times"]))
     ratio = f", {tps / torch_tps:.3f}x torch" if torch_tps else ""
     print(f"{name} (jax {r['jax']}, {overrides} {flags}): compile {r['compile_s']} s, "
           f"{1e3 * float(np.median(r['times'])):.1f} ms/step, {tps:,.0f} tokens/s{ratio}", flush=True)

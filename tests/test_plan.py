@@ -55,6 +55,26 @@ def test_plan_on_four_cpu_devices_matches_the_model(tiny_cfg):
   assert phase["flops"] > 0 and phase["model_flops"] > 0
 
 
+def test_peak_is_the_sum_of_its_parts_and_grows_with_the_model(tiny_cfg):
+  """For two widths: the reported peak is the step's held bytes (params, optimiser state, batch)
+  plus its temporaries, with only the step's small outputs and code besides; every part grows."""
+  phases = []
+  for d in (32, 64):
+    code, out, log = run_plan("--topology", "cpu:4", *FSDP4, f"--config.model.d_model={d}")
+    assert code == 0, log
+    [phase] = out["phases"]
+    tiny_cfg.model.d_model = d
+    assert phase["params_bytes"] == expected_per_device(tiny_cfg, 4)
+    held = phase["params_bytes"] + phase["opt_state_bytes"] + phase["batch_bytes"]
+    extra = phase["peak_bytes"] - held - phase["temp_bytes"]
+    assert 0 <= extra <= 2**20, extra  # the metrics' scalars and the generated code
+    phases.append(phase)
+  small, big = phases
+  assert big["params_bytes"] > 1.5 * small["params_bytes"] and big["opt_state_bytes"] > 1.5 * small["opt_state_bytes"]
+  assert big["batch_bytes"] == small["batch_bytes"] and big["temp_bytes"] > small["temp_bytes"]
+  assert big["peak_bytes"] > small["peak_bytes"]
+
+
 def test_plan_exits_1_when_the_step_does_not_fit():
   code, out, log = run_plan("--topology", "cpu:4", *FSDP4, "--hbm_gib=0.0001")
   assert code == 1, log
