@@ -261,6 +261,8 @@ class ConceptLM(nnx.Module):
     code_logits = constrain(code_logits.reshape(*u.shape[:2], self.cfg.num_segments, self.cfg.codebook_size),
                             ("batch", "length", "segments", "codes"))
     mix = lambda logits, codebook: C.mix_codebook(logits, codebook, self.cfg.mixing, impl)  # a kernel: per shard
+    # The codebook enters in its stored dtype: the mixture is 1/S of the heads' FLOPs, and its
+    # gradient, summed over the batch shards, then sums in float32.
     predicted = constrain(per_batch_shard(mix, code_logits, self.codebook[...]).astype(self.dtype), TOKENS)
     return code_logits, predicted, states, cache
 

@@ -2,8 +2,8 @@
 checkpoint is moved aside for the newest readable one.
 
 Changes to a resumed run's config fall in three kinds:
-  refused       the saved state would not fit or mean the same: the model (but for model.remat
-                and the compute dtype), data.tokenizer, optim.name / optim.trainable, the
+  refused       the saved state would not fit or mean the same: the model (but for model.remat,
+                the compute dtype and the bf16 opt-in), data.tokenizer, optim.name / optim.trainable, the
                 training-only heads (nitp.enabled, nitp.projector, mtp.enabled) and TST's first
                 phase (tst.enabled, s, r, budget, superpose, positions; what phase 2 does,
                 tst.carry and tst.reinit_embeddings_at_switch, may change: one phase-1 result
@@ -23,7 +23,7 @@ from latent_jax.train.workdir import move_aside
 
 REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.enabled", "nitp.projector",
            "mtp.enabled", "tst.enabled", "tst.s", "tst.r", "tst.budget", "tst.superpose", "tst.positions")
-TAKEN = ("model.remat", "model.dtype")
+TAKEN = ("model.remat", "model.dtype", "model.allow_bf16_params")
 DATA = ("data.", "train.seed")
 IGNORED = ("train.init_from",)  # a resumed run reads its own checkpoints, never its source
 DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all"}  # fields older checkpoints may lack
