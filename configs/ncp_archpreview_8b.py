@@ -12,6 +12,7 @@ def get_config():
   c.model.update(encoder_layers=16, concept_layers=8, decoder_layers=16, chunk_size=4, num_segments=32,
                  codebook_size=128)
   # 8 rows per chip on v5p-128 (fsdp=64) peak at 109.5 GiB with one microbatch, 89.7 GiB with two
-  # (94% of HBM), 46.2 GiB with four (python -m latent_jax.plan; docs/performance.md).
+  # (94% of HBM; both with bf16 params), 48.4 GiB with four and float32 master params (51%;
+  # python -m latent_jax.plan, docs/performance.md).
   c.train.microbatches = 4
   return c  # ncp.alpha, ncp.beta follow d and S (tiny_ncp.per_dimension_weights)

@@ -10,8 +10,8 @@ def get_config():
   c = tiny.get_config()
   c.model.update(vocab_size=100_278, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
                  mlp_dim=11_008, rope_base=500_000.0, norm_eps=1e-6, qk_norm="layer", block_order="post",
-                 window=4096, full_attention_every=4, tie_embeddings=False, param_dtype="bfloat16",
-                 dtype="bfloat16", remat="full")
+                 window=4096, full_attention_every=4, tie_embeddings=False, param_dtype="float32",
+                 dtype="bfloat16", remat="full")  # float32 master params and optimiser state, bf16 compute
   c.data.update(source="data/dolma3/*.jsonl", seq_len=8192, batch_size=512)  # ~4.2M tokens per step
   c.train.update(steps=1_370_000, z_loss=1e-5, log_every=10, eval_every=5000, eval_batches=64,
                  checkpoint_every=5000)  # ~5.73T tokens (NCP Stage 1)

@@ -22,8 +22,13 @@ def get_config():
   c.model.full_attention_every = 4     # every n-th layer attends to the full context; 1 = no window
   c.model.tie_embeddings = False
   c.model.init_std = 0.02
-  c.model.param_dtype = "float32"      # float32 | bfloat16
-  c.model.dtype = "float32"            # compute dtype
+  # Mixed precision: param_dtype is the dtype parameters are stored in (the master copy, which
+  # the optimiser updates and whose dtype its moments take); dtype is the compute dtype that
+  # weights and activations are cast to for the forward and backward pass (norms and softmaxes
+  # run in float32 inside). The large recipes store float32 and compute in bfloat16.
+  c.model.param_dtype = "float32"      # stored (master) dtype: float32 | bfloat16 (needs allow_bf16_params)
+  c.model.dtype = "float32"            # compute dtype: float32 | bfloat16
+  c.model.allow_bf16_params = False    # True: param_dtype=bfloat16 is meant, no float32 master (small updates round away)
   c.model.remat = "none"               # none | full (recompute each block) | matmuls (keep matmul outputs)
   c.model.scan_unroll = 1              # layers per iteration of the layer scan (num_layers: unrolled, slower to compile)
 

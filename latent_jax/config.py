@@ -113,6 +113,12 @@ def validate(cfg):
   check_choice(m.block_order, "model.block_order", ("post", "pre"))
   check_choice(m.param_dtype, "model.param_dtype", DTYPES)
   check_choice(m.dtype, "model.dtype", DTYPES)
+  # bf16 storage rounds away an update under half a bf16 step (2^-9 to 2^-8 of the weight): at
+  # lr 6e-5 a norm scale of 1 never moves, and most matrix entries do not either.
+  check(m.param_dtype == "float32" or m.get("allow_bf16_params", False), "model.param_dtype",
+        "'bfloat16' stores the parameters and optimiser state in bfloat16 with no float32 master copy, so "
+        "updates below bf16's resolution are lost; use model.param_dtype=float32 with model.dtype=bfloat16 "
+        "(float32 master, bf16 compute), or set model.allow_bf16_params=True to store bf16 anyway.")
   check_choice(m.remat, "model.remat", REMAT)
   check(isinstance(m.get("scan_unroll", 1), int) and m.get("scan_unroll", 1) >= 1, "model.scan_unroll",
         f"must be a positive integer (layers per loop iteration), got {m.get('scan_unroll')!r}.")

@@ -31,6 +31,7 @@ def export(workdir, out, step=None, dtype=None):
   dtype = dtype or cfg.model.dtype
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
   cfg.model.param_dtype = dtype
+  cfg.model.allow_bf16_params = dtype == "bfloat16"  # an inference copy: no optimiser updates it
   tokenizer = load.load_tokenizer(workdir, cfg)
   distributed.on_primary(lambda: paths.path(out).mkdir(parents=True), OSError)
   ckptr = ocp.StandardCheckpointer()  # every process saves its shards; Orbax writes each array once

@@ -141,6 +141,9 @@ TRAIN_CASES = {
     "vocab far above the tokenizer": ("{tmp}/run", ["model.vocab_size=200000"],
                                       ["model.vocab_size=200000", "624 pieces", "model.vocab_size=640"]),
     "unknown config field": ("{tmp}/run", ["train.stepz=5"], ["train.stepz", "not a config field"]),
+    "bf16 parameters without a master": ("{tmp}/run", ["model.param_dtype=bfloat16"],
+                                         ["model.param_dtype", "model.param_dtype=float32 with model.dtype=bfloat16",
+                                          "model.allow_bf16_params=True"]),
 }
 
 

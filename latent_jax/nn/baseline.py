@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax.nn.layers import TOKENS, BlockStack, RMSNorm, param
-from latent_jax.train.sharding import constrain
+from latent_jax.nn.layers import BlockStack, RMSNorm, embed_lookup, param
 
 
 @jax.tree_util.register_dataclass
@@ -43,8 +42,7 @@ class BaselineLM(nnx.Module):
 
   def embed_tokens(self, tokens):
     """tokens [B, T] int32 -> input embeddings [B, T, d] in the compute dtype."""
-    table = constrain(self.embed[...].astype(self.dtype), ("vocab", "act_embed"))  # gathered whole over fsdp, as FSDP does
-    return constrain(table[tokens], TOKENS)
+    return embed_lookup(self.embed[...], tokens, self.dtype)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, cache=None, cache_index=None,
                embeddings=None):

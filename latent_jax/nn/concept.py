@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.nn.baseline import ModelOutput, default_positions
-from latent_jax.nn.layers import TOKENS, RMSNorm, kv_cache, param, remat, stacked_blocks
+from latent_jax.nn.layers import TOKENS, RMSNorm, embed_lookup, kv_cache, param, remat, stacked_blocks
 from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
 from latent_jax.train.sharding import constrain, per_batch_shard
@@ -211,8 +211,7 @@ class ConceptLM(nnx.Module):
 
   def embed_tokens(self, tokens):
     """tokens [B, T] int32 -> input embeddings [B, T, d] in the compute dtype."""
-    table = constrain(self.embed[...].astype(self.dtype), ("vocab", "act_embed"))  # gathered whole over fsdp, as FSDP does
-    return constrain(table[tokens], TOKENS)
+    return embed_lookup(self.embed[...], tokens, self.dtype)
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, logits=True, impl="auto", cache=None,
                cache_index=None):
@@ -264,6 +263,8 @@ class ConceptLM(nnx.Module):
     code_logits = constrain(code_logits.reshape(*u.shape[:2], self.cfg.num_segments, self.cfg.codebook_size),
                             ("batch", "length", "segments", "codes"))
     mix = lambda logits, codebook: C.mix_codebook(logits, codebook, self.cfg.mixing, impl)  # a kernel: per shard
+    # The codebook enters in its stored dtype: the mixture is 1/S of the heads' FLOPs, and its
+    # gradient, summed over the batch shards, then sums in float32.
     predicted = constrain(per_batch_shard(mix, code_logits, self.codebook[...]).astype(self.dtype), TOKENS)
     return code_logits, predicted, states, cache
 

@@ -34,6 +34,17 @@ def ones(shape, axes, dtype):
   return nnx.Param(jnp.ones(shape, dtype), axes=axes)
 
 
+def embed_lookup(table, tokens, dtype):
+  """Rows of the embedding table [V, d] at tokens [B, T] -> [B, T, d] in the compute dtype.
+
+  The table is gathered whole over fsdp, as FSDP does, in its stored dtype, and the rows are
+  cast after the lookup: the gradient's scatter-add then sums each token's rows in float32
+  (in bf16 a frequent token's running sum stalls: 4096 ones add up to 256).
+  """
+  table = constrain(table, ("vocab", "act_embed"))
+  return constrain(table[tokens].astype(dtype), TOKENS)
+
+
 class RMSNorm(nnx.Module):
   def __init__(self, dim, eps, dtype):
     self.scale = ones((dim,), ("norm",), dtype)

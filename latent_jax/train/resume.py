@@ -3,8 +3,9 @@ checkpoint is moved aside for the newest readable one.
 
 Changes to a resumed run's config fall in three kinds:
   refused       the saved state would not fit or mean the same: the model (but for model.remat,
-                model.scan_unroll and the compute dtype), data.tokenizer, optim.name / optim.trainable, the
-                training-only heads (nitp.enabled, nitp.projector, mtp.enabled) and TST's first
+                model.scan_unroll, the compute dtype and the bf16 opt-in), data.tokenizer,
+                optim.name / optim.trainable, the training-only heads (nitp.enabled,
+                nitp.projector, mtp.enabled) and TST's first
                 phase (tst.enabled, s, r, budget, superpose, positions; what phase 2 does,
                 tst.carry and tst.reinit_embeddings_at_switch, may change: one phase-1 result
                 can start several phase-2 variants);
@@ -23,7 +24,7 @@ from latent_jax.train.workdir import move_aside
 
 REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.enabled", "nitp.projector",
            "mtp.enabled", "tst.enabled", "tst.s", "tst.r", "tst.budget", "tst.superpose", "tst.positions")
-TAKEN = ("model.remat", "model.scan_unroll", "model.dtype")
+TAKEN = ("model.remat", "model.scan_unroll", "model.dtype", "model.allow_bf16_params")
 DATA = ("data.", "train.seed")
 IGNORED = ("train.init_from",)  # a resumed run reads its own checkpoints, never its source
 DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all"}  # fields older checkpoints may lack
