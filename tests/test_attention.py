@@ -186,7 +186,8 @@ def test_pallas_interpreted_matches_dense(impl, step):
 
 def test_splash_lowers_for_tpu():
   """No TPU here; the Pallas -> Mosaic lowering runs on this host (block rules, op coverage),
-  not the Mosaic compiler. Forward and backward, both window kernels, bf16."""
+  not the Mosaic compiler. Forward and backward, both window kernels, bf16. The values of these
+  kernels are checked against dense interpreted (test_pallas_interpreted_matches_dense)."""
   sds = jax.ShapeDtypeStruct
   b, t, h, kh, d = 2, 256, 4, 2, 128
 
@@ -201,7 +202,9 @@ def test_splash_lowers_for_tpu():
 
 
 def test_pallas_gpu_lowers_for_gpu():
-  """No GPU here; the Pallas -> Triton lowering for CUDA runs on this host (not PTX compilation)."""
+  """No GPU here; the Pallas -> Triton lowering for CUDA runs on this host (not PTX compilation).
+  The compiled kernel's values and gradients are checked against dense on a GPU, in the GPU tier
+  (tests/test_gpu.py::test_attention_matches_dense)."""
   sds = jax.ShapeDtypeStruct
   b, t, h, kh, d = 2, 256, 4, 2, 64
 
