@@ -3,7 +3,9 @@
 Every command line takes FLAGS and calls `initialize(args)` first. The runtime is joined when
 the flags, the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID variables or the
 cluster (SLURM's srun, Open MPI's mpirun, a Cloud TPU VM, an indexed Kubernetes Job) say there
-are several processes; docs/launch.md has a recipe for each. On CPU the hosts talk over gloo.
+are several processes; docs/launch.md has a recipe for each. On CPU the hosts talk over gloo. On
+GPU nodes every process drives the GPUs it is given (`local_device_ids`): with one process per
+node all of the node's, with one per GPU its own.
 
 Shared files (metrics, the tokenizer, an export's config, a token store) are written by process 0
 only. A step that may fail on process 0 alone (the workdir lock, a write, a whole prepare) runs
@@ -28,6 +30,8 @@ FLAGS = [
     cli.Flag("process_id", int, None, "this process's index, 0..num_processes-1 (or $JAX_PROCESS_ID)",
              lambda i: i >= 0, ">= 0"),
 ]
+SLURM = "SLURM (srun)"
+OPEN_MPI = "Open MPI (mpirun)"
 
 
 def initialize(args):
@@ -36,7 +40,7 @@ def initialize(args):
   address = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
   count = args.num_processes if args.num_processes is not None else env_int("JAX_NUM_PROCESSES")
   index = args.process_id if args.process_id is not None else env_int("JAX_PROCESS_ID")
-  cluster, claimed = detect_cluster()
+  cluster, claimed = detect_cluster(os.environ)
   if count is not None and claimed > 1 and count != claimed:
     raise ValueError(f"--num_processes={count} but {cluster} runs {claimed} processes; drop --num_processes "
                      "(the cluster's count is used) or launch as many processes as it says.")
@@ -47,10 +51,11 @@ def initialize(args):
     return  # one process: no runtime to join
   if jax.distributed.is_initialized():
     return
+  devices = local_device_ids(os.environ)
   # Only the CPU backend reads this; its default has no cross-process collectives at all.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
-    jax.distributed.initialize(address, count, index)
+    jax.distributed.initialize(address, count, index, local_device_ids=devices)
   except (ValueError, TypeError, RuntimeError) as e:
     missing = [f for f, v in (("--coordinator_address", address), ("--num_processes", count),
                               ("--process_id", index)) if v is None]
@@ -63,8 +68,8 @@ def initialize(args):
                      f"has {jax.process_count()}; launch every process with the same settings.")
 
 
-def env_int(name):
-  value = os.environ.get(name)
+def env_int(name, env=os.environ):
+  value = env.get(name)
   if value in (None, ""):
     return None
   try:
@@ -73,22 +78,78 @@ def env_int(name):
     raise ValueError(f"${name}={value!r} is not an integer; unset it or set it to a number.") from None
 
 
-def detect_cluster():
+def detect_cluster(env):
   """(name, processes it runs) from the launcher's environment; ("", 1) outside a cluster.
 
   These are the environments jax.distributed.initialize() detects by itself; a count of 0 means
   "ask jax" (a Cloud TPU VM or a Kubernetes Job, whose size is looked up at initialisation)."""
-  env = os.environ
   if all(k in env for k in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")):
-    return "SLURM (srun)", int(env["SLURM_NTASKS"])
+    return SLURM, int(env["SLURM_NTASKS"])
   if "OMPI_MCA_orte_hnp_uri" in env and "OMPI_COMM_WORLD_SIZE" in env:
-    return "Open MPI (mpirun)", int(env["OMPI_COMM_WORLD_SIZE"])
+    return OPEN_MPI, int(env["OMPI_COMM_WORLD_SIZE"])
   if importlib.util.find_spec("libtpu") and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
     hosts = env.get("TPU_WORKER_HOSTNAMES", "")
     return "this Cloud TPU slice", len(hosts.split(",")) if hosts else 0
   if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env and importlib.util.find_spec("kubernetes"):
     return "this Kubernetes Job", 0
   return "", 1
+
+
+NVIDIA_DEVICES = "/dev/nvidia[0-9]*"  # a node's GPUs, where no launcher variable lists them
+
+
+def local_device_ids(env):
+  """The local GPUs this process drives, for jax.distributed.initialize, when SLURM or Open MPI
+  runs it; None leaves them to jax (every visible device joins).
+
+  jax itself gives each such process one GPU, its local rank's, which suits one process per GPU
+  but drives only the first GPU of a node that runs one process. Here a process that sees fewer
+  GPUs than the node gives the job step (srun --gpus-per-task, --gpu-bind) or fewer than there
+  are processes on the node drives all it sees; processes that see all of the node's GPUs split
+  them in order: one process per node drives all, one per GPU its local rank's. $JAX_LOCAL_DEVICE_IDS
+  overrides this (jax reads it).
+  """
+  cluster, _ = detect_cluster(env)
+  if env.get("JAX_LOCAL_DEVICE_IDS") or cluster not in (SLURM, OPEN_MPI):
+    return None
+  if cluster == SLURM:
+    rank, tasks, node_gpus = env_int("SLURM_LOCALID", env), slurm_tasks_on_node(env), env_int("SLURM_GPUS_ON_NODE", env)
+  else:
+    rank, tasks, node_gpus = env_int("OMPI_COMM_WORLD_LOCAL_RANK", env), env_int("OMPI_COMM_WORLD_LOCAL_SIZE", env), None
+  visible = visible_gpus(env)
+  if rank is None or not tasks or not visible:
+    return None  # not known, or no GPU here: jax's choice does no harm
+  if visible < tasks or (node_gpus and visible < node_gpus):
+    return list(range(visible))  # the launcher gave this process its own GPUs
+  if visible % tasks:
+    raise ValueError(f"{cluster} runs {tasks} processes on this node, which has {visible} GPUs: launch one process "
+                     f"per node, one per GPU, or a number of processes per node that divides {visible} (docs/launch.md).")
+  share = visible // tasks
+  return list(range(rank * share, (rank + 1) * share))
+
+
+def slurm_tasks_on_node(env):
+  """Processes of this job step on this node: SLURM_STEP_TASKS_PER_NODE ("8(x2),4", by
+  SLURM_NODEID), else --ntasks-per-node, else the job's SLURM_TASKS_PER_NODE; None if unset."""
+  for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+    if env.get(name):
+      try:
+        counts = [int(n) for part in env[name].split(",") for n, _, times in [part.partition("(x")]
+                  for _ in range(int(times.rstrip(")") or 1))]
+      except ValueError:
+        raise ValueError(f"${name}={env[name]!r} is not a SLURM task count (like 8 or 8(x2),4).") from None
+      return counts[min(env_int("SLURM_NODEID", env) or 0, len(counts) - 1)]
+  return None
+
+
+def visible_gpus(env):
+  """How many GPUs this process sees: the entries of CUDA_VISIBLE_DEVICES (ROCR_VISIBLE_DEVICES on
+  AMD), else the node's GPUs as SLURM counts them, else as /dev lists them."""
+  for name in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+    if name in env:  # SLURM writes NoDevFiles where a step has no GPU
+      return len([d for d in env[name].split(",") if d.strip() and d.strip() != "NoDevFiles"])
+  gpus = env_int("SLURM_GPUS_ON_NODE", env)
+  return gpus if gpus is not None else len(glob.glob(NVIDIA_DEVICES))
 
 
 def describe(mesh=None):
