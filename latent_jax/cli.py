@@ -51,7 +51,10 @@ def errors(*more):
   except EXPECTED + more as e:
     if not str(e).strip():  # no message: a bug, not bad input; its traceback says where
       raise
-    print("error: " + " ".join(str(e).splitlines()), file=sys.stderr)
+    line = " ".join(str(e).splitlines())
+    print("error: " + line, file=sys.stderr)
+    from latent_jax import distributed  # pylint: disable=import-outside-toplevel  # which imports this module
+    distributed.stop_others(line)  # with several processes: they stop too, rather than wait for this one
     raise SystemExit(2) from None
 
 

@@ -33,11 +33,11 @@ def export(workdir, out, step=None, dtype=None):
   cfg.model.param_dtype = dtype
   cfg.model.allow_bf16_params = dtype == "bfloat16"  # an inference copy: no optimiser updates it
   tokenizer = load.load_tokenizer(workdir, cfg)
-  distributed.on_primary(lambda: paths.path(out).mkdir(parents=True), OSError)
+  distributed.on_primary("export folder", lambda: paths.path(out).mkdir(parents=True), OSError)
   ckptr = ocp.StandardCheckpointer()  # every process saves its shards; Orbax writes each array once
   ckptr.save(paths.absolute(os.path.join(out, "params")), params)
   ckptr.wait_until_finished()
-  distributed.on_primary(lambda: write_beside(out, cfg, tokenizer), OSError)
+  distributed.on_primary("export config", lambda: write_beside(out, cfg, tokenizer), OSError)
   return out
 
 

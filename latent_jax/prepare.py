@@ -308,13 +308,13 @@ def main(argv=None):
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
     if args.verify:
-      distributed.on_primary(lambda: verify(args.out), *cli.EXPECTED)
+      distributed.on_primary("verify", lambda: verify(args.out), *cli.EXPECTED)
       return
     if args.config is None:
       raise ValueError("missing --config (see --help).")
     cfg = load_config(args.config, args.overrides)
     validate(cfg)
-    distributed.on_primary(lambda: prepare(cfg, args.out, args.workers, args.shard_mb, args.sample_mb), *cli.EXPECTED)
+    distributed.on_primary("prepare", lambda: prepare(cfg, args.out, args.workers, args.shard_mb, args.sample_mb), *cli.EXPECTED)
     if not distributed.is_primary():
       check_visible(args.out)
 

@@ -269,7 +269,7 @@ class Killed(Exception):
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory):
   """Share compiled steps between the runs of this module (they trace identical programs)."""
-  from jax._src import compilation_cache
+  from jax.experimental.compilation_cache import compilation_cache
   old = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
          jax.config.jax_persistent_cache_min_entry_size_bytes)
   jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from latent_jax import paths
+from latent_jax import distributed, paths
 from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.train import checkpoint
 from latent_jax.train import step as steps
@@ -54,9 +54,12 @@ def saved_params(directory, cfg, step=None, shardings=None):
       lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(path_name(p), everywhere)),
       nnx.to_pure_dict(saved))
   if is_export(directory):
-    return ocp.StandardCheckpointer().restore(paths.absolute(os.path.join(directory, "params")), target)
-  manager, step = find_checkpoint(directory, step)
-  return manager.restore_params(step, target)
+    read = lambda: checkpoint.read_item(os.path.join(directory, "params"), ocp.args.StandardRestore(target))
+  else:
+    manager, step = find_checkpoint(directory, step)
+    read = lambda: manager.restore_params(step, target)
+  return distributed.on_all("load params", read, "those hosts read a damaged part of them, or see the shared file "
+                            "system differently (a stale or missing mount); check them.")
 
 
 def load_params(directory, cfg, step=None, shardings=None):

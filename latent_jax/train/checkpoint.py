@@ -20,6 +20,7 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 
 from latent_jax import paths
@@ -35,6 +36,7 @@ class Checkpoints:
     Only the training opens them writable; with read_only nothing on disk is created, cleaned or
     removed, so a reader cannot disturb a training that is saving.
     """
+    self.subdir = subdir
     self.directory = paths.absolute(os.path.join(workdir, subdir))  # a local one absolute, as Orbax asks
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1, create=not read_only,
@@ -70,12 +72,20 @@ class Checkpoints:
                 meta=ocp.args.JsonSave({**meta, "step": int(step)}))
     self.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
+  def read(self, step, **items):
+    """The items of `step` ({"params": ocp.args.StandardRestore(target), "meta": ocp.args.JsonRestore()}),
+    read by this process alone. Orbax's own restore ends in a barrier over every device, which a
+    process whose read failed never reaches, leaving the others there for ever: with several
+    processes the caller agrees on the outcome instead (distributed.on_all)."""
+    return {item: read_item(os.path.join(self.path(step), item), args) for item, args in items.items()}
+
   def restore(self, step, abstract_state):
     """Restore into arrays shaped and sharded like `abstract_state`."""
-    args = dict(params=ocp.args.StandardRestore(abstract_state["params"]),
-                opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]), meta=ocp.args.JsonRestore())
-    out = self.manager.restore(step, args=ocp.args.Composite(**args))
-    step_array = jax.device_put(jax.numpy.asarray(step, jax.numpy.int32), abstract_state["step"].sharding)
+    out = self.read(step, params=ocp.args.StandardRestore(abstract_state["params"]),
+                    opt_state=ocp.args.StandardRestore(abstract_state["opt_state"]), meta=ocp.args.JsonRestore())
+    # From this host's value: device_put onto devices of several processes checks that every
+    # process put the same value, a collective that a process whose read failed would never join.
+    step_array = jax.make_array_from_callback((), abstract_state["step"].sharding, lambda _: np.int32(step))
     return {"params": out["params"], "opt_state": out["opt_state"], "step": step_array}, out["meta"]
 
   def layout_differences(self, step, abstract_state):
@@ -96,13 +106,12 @@ class Checkpoints:
     return out
 
   def restore_params(self, step, abstract_params):
-    args = ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))
     with self.reading(step):
-      return self.manager.restore(step, args=args)["params"]
+      return self.read(step, params=ocp.args.StandardRestore(abstract_params))["params"]
 
   def restore_meta(self, step):
     with self.reading(step):
-      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      return self.read(step, meta=ocp.args.JsonRestore())["meta"]
 
   @contextlib.contextmanager
   def reading(self, step):
@@ -120,6 +129,16 @@ class Checkpoints:
   def close(self):
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def read_item(folder, args):
+  """One item folder of a checkpoint (or an export's params), read by this process alone (see
+  Checkpoints.read): through Orbax's handler, which has no barrier, not its Checkpointer."""
+  handler = ocp.JsonCheckpointHandler() if isinstance(args, ocp.args.JsonRestore) else ocp.StandardCheckpointHandler()
+  try:
+    return handler.restore(paths.path(paths.absolute(paths.expand(folder))), args=args)  # absolute, as Orbax asks
+  finally:
+    handler.close()
 
 
 @contextlib.contextmanager

@@ -37,7 +37,8 @@ def train(cfg, workdir, allow_data_change=False):
   started = time.perf_counter()
   validate(cfg)
   writable_dir(workdir, "--workdir")
-  created, lock = distributed.on_primary(lambda: hold_workdir(workdir), WorkdirBusy, OSError) or (None, None)
+  created, lock = distributed.on_primary("workdir lock", lambda: hold_workdir(workdir), WorkdirBusy,
+                                         OSError) or (None, None)
   try:
     return run(cfg, workdir, allow_data_change, started)
   finally:
@@ -83,7 +84,7 @@ def run(cfg, workdir, allow_data_change, started):
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   abstract_state = steps.abstract_state(cfg, tx, shardings)
   # The first write (process 0's): bad input stops the run above, leaving nothing.
-  distributed.on_primary(lambda: save_tokenizer(data, workdir), OSError)
+  distributed.on_primary("tokenizer", lambda: save_tokenizer(data, workdir), OSError)
 
   # Resume from the newest readable checkpoint in the workdir: a regular one, or in a TST run the
   # phase-1 result (WORKDIR/phase1, kept apart from max_to_keep), from which phase 2 starts.
@@ -211,7 +212,7 @@ def enter_phase(phase, cfg, tx, shardings, abstract_state, phase1):
     return state
   # The TST switch: phase 2 starts from the phase-1 result on disk (exactly as a resumed run
   # does), with a fresh data iterator; carry="params" also starts a fresh optimiser state.
-  state, _ = phase1.restore(phase.start, abstract_state)
+  state, _ = resume.restore_agreed(phase1, phase.start, lambda: phase1.restore(phase.start, abstract_state))
   say(f"phase {phase.number} starts from {phase1.path(phase.start)}")
   if phase.fresh_optimizer:
     state["opt_state"] = jax.jit(tx.init, out_shardings=shardings["opt_state"])(state["params"])

@@ -98,17 +98,35 @@ def restore_newest(candidates, restore, workdir, log=print):
   checkpoints)` reads one (raising on damage). An unreadable one is named with its error, moved
   to WORKDIR/damaged/ and the next older one tried. Returns (step, checkpoints, restored) or None.
 
+  With several processes every one reads its part of a checkpoint, and they agree on the outcome:
+  one that fails on every process is damaged; one that fails on some only stops them all with the
+  same error (distributed.Disagreement), moving nothing, as those hosts may be what is wrong.
   Errors that are not damage (a ConfigError: the config does not match) pass through.
   """
   for step, checkpoints in sorted(candidates, key=lambda c: c[0], reverse=True):
     try:
-      return step, checkpoints, restore(step, checkpoints)
-    except ConfigError:
+      return step, checkpoints, restore_agreed(checkpoints, step, lambda: restore(step, checkpoints))
+    except (ConfigError, distributed.Disagreement):
       raise
     except Exception as e:  # pylint: disable=broad-except  # any failure to read is damage
       reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-      moved = distributed.on_primary(lambda: move_aside(checkpoints.path(step), workdir, reason))
+      moved = distributed.on_primary(f"move aside {label(checkpoints, step)}",
+                                     lambda: move_aside(checkpoints.path(step), workdir, reason))
       checkpoints.reload()
       log(f"warning: checkpoint {checkpoints.path(step)} is unreadable ({reason}); moved it to {moved} and "
           "trying the one before it")
   return None
+
+
+def restore_agreed(checkpoints, step, read):
+  """read() of `step` on every process, and their agreement on it (distributed.on_all): a
+  checkpoint that some processes read and others cannot stops them all with one error."""
+  where = label(checkpoints, step)
+  return distributed.on_all(f"restore {where}", read, f"those hosts read a damaged part of it, or see the shared file "
+                            f"system differently (a stale or missing mount); check them. To resume from the checkpoint "
+                            f"before it, move WORKDIR/{where} into WORKDIR/damaged/.")
+
+
+def label(checkpoints, step):
+  """"checkpoints/8": the same on every host, wherever it mounts the workdir."""
+  return f"{checkpoints.subdir}/{step}"
