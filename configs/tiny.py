@@ -34,6 +34,7 @@ def get_config():
   c.data.batch_size = 16               # global, across all hosts
   c.data.val_fraction = 0.05           # documents held out for validation
   c.data.doc_separator = ""            # split .txt files into documents on this string ("" = one file, one doc)
+  c.data.max_text_gib = 1.0            # text files (GiB on disk) train tokenises in memory at each start; above: prepare a store
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 600

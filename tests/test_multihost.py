@@ -79,6 +79,18 @@ def prepare(corpus, out, processes):
                 f"--config.data.source={corpus}", "--out", str(out), "--workers=1")
 
 
+@pytest.fixture(scope="module")
+def corpus_store(tmp_path_factory, corpus_dir):
+  """conftest's corpus as a token store, prepared in this process: several processes train from a
+  store, never from text (which each would tokenise whole)."""
+  from latent_jax import load_config
+  from latent_jax import prepare as prepare_lib
+  out = tmp_path_factory.mktemp("corpus_store") / "store"
+  cfg = load_config(TINY, ["model.vocab_size=320", f"data.source={corpus_dir}"])
+  prepare_lib.prepare(cfg, str(out), workers=1, log=lambda *a: None)
+  return str(out)
+
+
 def test_two_processes_prepare_then_train_resume_across_process_counts_and_export(tmp_path, corpus_dir):
   # Both processes run prepare: process 0 writes the store, process 1 waits for it, then sees it.
   store = tmp_path / "store"
@@ -121,10 +133,10 @@ def test_two_processes_prepare_then_train_resume_across_process_counts_and_expor
   finish(launch("latent_jax.generate", 1, 1, "--workdir", str(out), "--max_new_tokens=4", "--temperature=0"))
 
 
-def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus_dir):
+def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus_store):
   steps = ["train.steps=100", "train.checkpoint_every=1000", "train.eval_every=0"]
-  reference = train(tmp_path / "reference", corpus_dir, 1, extra=steps)
-  procs = train(tmp_path / "run", corpus_dir, 2, extra=steps)
+  reference = train(tmp_path / "reference", corpus_store, 1, extra=steps)
+  procs = train(tmp_path / "run", corpus_store, 2, extra=steps)
   metrics = tmp_path / "run" / "metrics.jsonl"
   deadline = time.time() + 300
   while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
@@ -135,7 +147,7 @@ def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus
   saved = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints"))
   assert len(saved) == 1 and 0 < saved[0] < 100, (saved, outs[0])
   assert f"stopped at step {saved[0]}/100" in outs[0]
-  finish(train(tmp_path / "run", corpus_dir, 2, extra=steps))
+  finish(train(tmp_path / "run", corpus_store, 2, extra=steps))
   finish(reference)
   _, a = final_params(tmp_path / "reference")
   _, b = final_params(tmp_path / "run")
@@ -145,12 +157,12 @@ def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus
 
 @pytest.mark.slow  # 140 s of the CI budget; the multi-host path is model-agnostic and the baseline tests above run in CI
 @pytest.mark.parametrize("config", ["tiny_ncp.py", "tiny_tst.py"])
-def test_concept_lm_and_tst_phase_switch_on_two_processes(tmp_path, corpus_dir, config):
+def test_concept_lm_and_tst_phase_switch_on_two_processes(tmp_path, corpus_store, config):
   """ConceptLM, and TST across its phase switch, train on 2 processes as on 1 (python -m pytest -m slow)."""
   extra = ["tst.r=0.5"] if "tst" in config else []
   config = os.path.join(ROOT, "configs", config)
-  finish(train(tmp_path / "one", corpus_dir, 1, config=config, extra=extra)
-         + train(tmp_path / "two", corpus_dir, 2, config=config, extra=extra))
+  finish(train(tmp_path / "one", corpus_store, 1, config=config, extra=extra)
+         + train(tmp_path / "two", corpus_store, 2, config=config, extra=extra))
   a, b = rows(tmp_path / "one"), rows(tmp_path / "two")
   assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
   for x, y in zip(a, b):

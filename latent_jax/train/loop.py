@@ -14,7 +14,7 @@ from flax import nnx
 from latent_jax import distributed
 from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
-from latent_jax.data import build_data, make_train_iterator, make_val_batches, save_tokenizer
+from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, save_tokenizer
 from latent_jax.infer import load
 from latent_jax.train import checkpoint, flops, phases, resume, sharding
 from latent_jax.train import step as steps
@@ -36,6 +36,7 @@ def train(cfg, workdir, allow_data_change=False):
   """
   started = time.perf_counter()
   validate(cfg)
+  check_text_source(cfg.data, jax.process_count())  # before the workdir is made
   writable_dir(workdir, "--workdir")
   created, lock = distributed.on_primary(lambda: hold_workdir(workdir), WorkdirBusy, OSError) or (None, None)
   try:
