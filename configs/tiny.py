@@ -69,7 +69,7 @@ def get_config():
   c.mesh.tensor = 1
 
   c.kernels = ml_collections.ConfigDict()
-  c.kernels.impl = "auto"              # auto | pallas | xla | naive  (cross-entropy and codebook mixing)
+  c.kernels.impl = "auto"              # auto | pallas | xla | naive  (cross-entropy and codebook mixing; pallas: mesh.tensor=1)
   c.kernels.attention = "auto"         # auto | dense | xla_blocked | pallas_tpu | pallas_gpu  (self-attention, docs/kernels.md)
 
   # Auxiliary objectives, off here; configs/tiny_nitp.py turns NITP on (docs/aux.md).
