@@ -4,6 +4,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shutil
 
 import fsspec
 import numpy as np
@@ -150,6 +151,20 @@ def test_store_errors(sources, store_dir, tmp_path):
   (tmp_path / "busy" / "notes.txt").write_text("x")
   with pytest.raises(FileExistsError, match="holds other files"):
     prepared(sources, tmp_path / "busy")
+
+
+def test_prepare_of_bad_content_leaves_nothing_behind(sources, tmp_path):
+  """A source that fails the scan (here a Latin-1 file among good ones) leaves no --out (nor its
+  parents) behind, and an --out that existed (empty) as it was."""
+  bad = tmp_path / "bad"
+  shutil.copytree(sources, bad)
+  (bad / "zz_latin1.txt").write_bytes("Caf\xe9 au lait.".encode("latin-1"))
+  new, empty = tmp_path / "new" / "store", tmp_path / "empty"
+  empty.mkdir()
+  for out in (new, empty):
+    with pytest.raises(ValueError, match=r"zz_latin1\.txt is not UTF-8"):
+      prepared(str(bad), out)
+  assert not (tmp_path / "new").exists() and os.listdir(empty) == []
 
 
 def test_prepare_cli_one_line_errors(store_dir, tmp_path, capsys):
