@@ -10,7 +10,7 @@ import fsspec
 import numpy as np
 import pytest
 from conftest import TINY
-from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from test_data import assert_batches_equal, make_docs, take, tiny_config
 
 from latent_jax import cli, paths
@@ -225,12 +225,26 @@ def test_parquet_without_text_column_names_the_file(tmp_path):
 # ----------------------------------------------------------------------------- buckets
 
 
+class Upload(MemoryFile):
+  """A file written to the bucket: the object appears (or is replaced) whole when it closes."""
+
+  def close(self):
+    self.fs.store[self.path] = MemoryFile(self.fs, self.path, self.getvalue())
+
+
 class MemoryBucket(MemoryFileSystem):
-  """gs:// served from memory as gcsfs serves a bucket: paths "bucket/key", and folders only as
-  prefixes of objects (making one does nothing). epath's remote code path (fsspec, as without
-  TensorFlow) with no network."""
+  """gs:// served from memory as gcsfs serves a bucket: paths "bucket/key", folders only as
+  prefixes of objects (making one does nothing), and an object written only when its file closes.
+  epath's remote code path (fsspec, as without TensorFlow) with no network."""
   protocol, root_marker = ("gs", "gcs"), ""
   store, pseudo_dirs = {}, [""]
+
+  def _open(self, path, mode="rb", **kwargs):
+    if mode in ("wb", "xb"):
+      if "x" in mode and self.exists(path):
+        raise FileExistsError(path)
+      return Upload(self, self._strip_protocol(path))
+    return super()._open(path, mode, **kwargs)
 
   @classmethod
   def _strip_protocol(cls, path):
@@ -315,3 +329,15 @@ def test_prepare_train_data_and_metrics_in_a_bucket(sources, store_dir, bucket, 
       writer.write(step, {"loss": 1.0 / step})
     writer.close()
   assert [r["step"] for r in metrics.read_metrics(run)] == [1, 2, 3, 4]
+  # Mid-run, the object is uploaded whole after an evaluation and every UPLOAD_SECONDS, else not.
+  logged = lambda: [r["step"] for r in metrics.read_metrics(run)]
+  writer = metrics.MetricsWriter(run, 4)
+  writer.write(5, {"loss": 0.2})
+  assert logged() == [1, 2, 3, 4]
+  writer.write(6, {"loss": 0.1, "val_loss": 0.3}, upload=True)
+  assert logged() == [1, 2, 3, 4, 5, 6]
+  writer.write(7, {"loss": 0.1})
+  monkeypatch.setattr(metrics, "UPLOAD_SECONDS", 0.0)  # as if that long had passed since the last upload
+  writer.write(8, {"loss": 0.1})
+  assert logged() == [1, 2, 3, 4, 5, 6, 7, 8]
+  writer.close()

@@ -172,7 +172,7 @@ def run(cfg, workdir, allow_data_change, started):
           if eval_now:
             metrics.update(steps.evaluate(eval_step, state["params"], val_batches, val_bytes, mesh))
             last_time = time.perf_counter()  # keep evaluation out of the throughput
-          writer.write(step, metrics)
+          writer.write(step, metrics, upload=eval_now)
           bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:,.0f}",
                           mfu=f"{100 * metrics['mfu']:.2g}%")  # two digits: a tiny model on a GPU is at 0.05%
         bar.update(1)
