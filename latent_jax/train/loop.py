@@ -60,6 +60,7 @@ def run(cfg, workdir, allow_data_change, started):
   source = None
   if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from
     resume.check_saved_config(workdir, cfg, allow_data_change, log=say)
+    distributed.on_primary(lambda: checkpoint.restore_tokenizer(workdir, log=say), OSError)
   elif cfg.train.get("init_from"):
     source = adopt_source(cfg)
 
@@ -183,7 +184,7 @@ def run(cfg, workdir, allow_data_change, started):
           tags = {} if phase.number is None else {"phase": phase.number}
           if switch:
             tags["phase1_final"] = True
-          saver.save(step, state, {**meta, **tags})
+          saver.save(step, state, {**meta, **tags}, data.tokenizer)
         if stopping:
           stopped = True
           break
