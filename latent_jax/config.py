@@ -129,7 +129,7 @@ def validate(cfg):
   check(0 < d.val_fraction < 1, "data.val_fraction", f"must lie in (0, 1), got {d.val_fraction}.")
   check(isinstance(d.source, str) and d.source.strip() != "", "data.source",
         "is empty; use 'kjv' or a path to .txt/.jsonl files.")
-  check(d.get("max_text_gib", 1.0) > 0, "data.max_text_gib", f"must be > 0 (GiB), got {d.get('max_text_gib')}.")
+  check(d.get("max_text_gib", 1) > 0, "data.max_text_gib", f"must be > 0 (GiB), got {d.get('max_text_gib')}.")
 
   check(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}.")
   for f in ("log_every", "checkpoint_every", "keep_checkpoints"):

@@ -28,7 +28,6 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from latent_jax import paths
-from latent_jax.data.tokenizer import TOKENIZER_FILES
 from latent_jax.train.workdir import move_aside
 
 
@@ -194,9 +193,6 @@ def restore_tokenizer(workdir, log=print):
     here = paths.path(path).read_bytes() if paths.path(path).is_file() else None
     if here is not None and hashlib.sha256(here).hexdigest() == expected["sha256"]:
       return None
-    for other in TOKENIZER_FILES.values():  # another kind's file would be found before or instead of it
-      if other != name and paths.path(os.path.join(workdir, other)).is_file():
-        move_aside(os.path.join(workdir, other), workdir, f"not the tokenizer saved with {saved.path(step)}")
     why = "is missing"
     if here is not None:
       moved = move_aside(path, workdir, f"not the tokenizer file saved with {saved.path(step)}")
