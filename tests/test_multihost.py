@@ -114,11 +114,17 @@ def test_two_processes_prepare_then_train_resume_across_process_counts_and_expor
   assert abs(a[-1]["val_loss"] - b[-1]["val_loss"]) <= 1e-5
   assert_same_params(one, two)
 
-  # Resume from step 4 with another process count: a 2-process checkpoint on 1, a 1-process one on 2.
+  # Resume from step 4 with another process count: a 2-process checkpoint on 1, a 1-process one on 2
+  # (whose lost tokenizer file comes back from the checkpoint, every process reading, process 0 writing).
   for src, processes, name in ((two, 1, "two_then_one"), (one, 2, "one_then_two")):
     drop_last_checkpoint(src, tmp_path / name)
+    if processes == 2:
+      os.remove(tmp_path / name / "tokenizer.model")
     out = finish(train(tmp_path / name, store, processes))[0]
     assert f"resumed from {tmp_path / name / 'checkpoints' / '4'}" in out
+    if processes == 2:
+      assert f"warning: {tmp_path / name / 'tokenizer.model'} is missing; restored it from" in out
+      assert (tmp_path / name / "tokenizer.model").read_bytes() == (store / "tokenizer.model").read_bytes()
     assert_same_params(one, tmp_path / name)
 
   # Evaluate a 2-process fsdp checkpoint on one CPU device and on 4 (data-parallel there), then

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from latent_jax import distributed, paths
+from latent_jax import paths
 from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.train import checkpoint
 from latent_jax.train import step as steps
@@ -41,7 +41,7 @@ def load_config(directory, step=None):
   if is_export(directory):
     return checkpoint.config_from_json(json.loads(paths.path(os.path.join(directory, "config.json")).read_text())), None
   manager, step = find_checkpoint(directory, step)
-  distributed.on_primary(lambda: checkpoint.restore_tokenizer(directory), OSError)
+  checkpoint.restore_tokenizer(directory)
   return checkpoint.config_from_json(manager.restore_meta(step)["config"]), step
 
 

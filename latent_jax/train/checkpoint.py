@@ -27,7 +27,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from latent_jax import paths
+from latent_jax import distributed, paths
 from latent_jax.train.workdir import move_aside
 
 
@@ -175,7 +175,8 @@ def restore_tokenizer(workdir, log=print):
   """Put the workdir's tokenizer file back from its newest checkpoint that holds one, when the file is
   missing, or is not the file that checkpoint saved (damaged, or another tokenizer): every checkpoint
   of the run depends on its token ids. What was there is moved to WORKDIR/damaged/, never deleted.
-  Returns the restored path, or None when nothing was to do (or no checkpoint holds a tokenizer)."""
+  Call on every process (Orbax's managers synchronise them); process 0 writes. Returns the restored
+  path, or None when nothing was to do (or no checkpoint holds a tokenizer)."""
   managers = [Checkpoints(workdir, subdir=sub, read_only=True) for sub in ("checkpoints", "phase1")
               if paths.path(os.path.join(workdir, sub)).is_dir()]
   for step, saved in sorted(((s, m) for m in managers for s in m.all_steps()), key=lambda x: x[0], reverse=True):
@@ -193,12 +194,16 @@ def restore_tokenizer(workdir, log=print):
     here = paths.path(path).read_bytes() if paths.path(path).is_file() else None
     if here is not None and hashlib.sha256(here).hexdigest() == expected["sha256"]:
       return None
-    why = "is missing"
-    if here is not None:
-      moved = move_aside(path, workdir, f"not the tokenizer file saved with {saved.path(step)}")
-      why = f"is damaged or another tokenizer (not the file saved with the checkpoints; moved to {moved})"
-    paths.write_atomic(path, lambda f: f.write(proto))
-    log(f"warning: {path} {why}; restored it from {saved.path(step)}, which holds the run's tokenizer")
+
+    def put_back():
+      why = "is missing"
+      if here is not None:
+        moved = move_aside(path, workdir, f"not the tokenizer file saved with {saved.path(step)}")
+        why = f"is damaged or another tokenizer (not the file saved with the checkpoints; moved to {moved})"
+      paths.write_atomic(path, lambda f: f.write(proto))
+      log(f"warning: {path} {why}; restored it from {saved.path(step)}, which holds the run's tokenizer")
+
+    distributed.on_primary(put_back, OSError)
     return path
   return None
 

@@ -60,7 +60,7 @@ def run(cfg, workdir, allow_data_change, started):
   source = None
   if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from
     resume.check_saved_config(workdir, cfg, allow_data_change, log=say)
-    distributed.on_primary(lambda: checkpoint.restore_tokenizer(workdir, log=say), OSError)
+    checkpoint.restore_tokenizer(workdir, log=say)
   elif cfg.train.get("init_from"):
     source = adopt_source(cfg)
 
