@@ -1,7 +1,10 @@
 """NCP-ArchPreview 8.94B (Table 10): E/C/D = 16/8/16 at OLMo-3-7B width, k=4, S=32, N=128.
 
 Derived from configs/olmo3_7b.py (same backbone, data and optimiser); docs/ncp.md lists the
-choices the paper leaves open. 8,939,886,208 parameters; the codebook has N*d = 524,288.
+choices the paper leaves open. It reads the same token store, `data/dolma3_store`, prepared once
+as that file's docstring says (python -m latent_jax.prepare --config configs/olmo3_7b.py --out
+data/dolma3_store --config.data.source=... --config.data.tokenizer=...). 8,939,886,208
+parameters; the codebook has N*d = 524,288.
 """
 import olmo3_7b  # configs load with their own folder on sys.path
 import tiny_ncp

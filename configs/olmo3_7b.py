@@ -1,7 +1,16 @@
 """OLMo-3-7B-shaped baseline: 32 layers at d=4096, the width of NCP-ArchPreview (Table 10).
 
-The vanilla reference of the NCP ablations. Not for CPUs: `data.source` must name the
-pretraining corpus and the mesh should shard (e.g. --config.mesh.fsdp=-1 --config.mesh.data=1).
+The vanilla reference of the NCP ablations. Not for CPUs: the mesh should shard (e.g.
+--config.mesh.fsdp=-1 --config.mesh.data=1), and it reads a token store, `data/dolma3_store`,
+tokenised once from the pretraining text with OLMo-3's tokenizer (on every host of a slice, with
+the multi-host flags: process 0 writes it; docs/data.md, docs/launch.md):
+
+  python -m latent_jax.prepare --config configs/olmo3_7b.py --out data/dolma3_store \
+    --config.data.source='/data/dolma3/*.jsonl' --config.data.tokenizer=/data/olmo3/tokenizer.json
+
+Elsewhere (a bucket's FUSE mount), point training at it: --config.data.source=/mnt/bucket/dolma3_store.
+Text files as data.source are refused on several hosts (each would tokenise the whole text at every
+start) and above data.max_text_gib.
 """
 import tiny  # configs load with their own folder on sys.path
 
@@ -12,7 +21,7 @@ def get_config():
                  mlp_dim=11_008, rope_base=500_000.0, norm_eps=1e-6, qk_norm="layer", block_order="post",
                  window=4096, full_attention_every=4, tie_embeddings=False, param_dtype="float32",
                  dtype="bfloat16", remat="full")  # float32 master params and optimiser state, bf16 compute
-  c.data.update(source="data/dolma3/*.jsonl", seq_len=8192, batch_size=512)  # ~4.2M tokens per step
+  c.data.update(source="data/dolma3_store", seq_len=8192, batch_size=512)  # ~4.2M tokens per step
   c.train.update(steps=1_370_000, z_loss=1e-5, log_every=10, eval_every=5000, eval_batches=64,
                  checkpoint_every=5000)  # ~5.73T tokens (NCP Stage 1)
   c.optim.update(name="muon", lr=6e-5, schedule="cosine", warmup_steps=2000, min_lr_ratio=0.1,

@@ -39,6 +39,7 @@ def get_config():
   c.data.batch_size = 16               # global, across all hosts
   c.data.val_fraction = 0.05           # documents held out for validation
   c.data.doc_separator = ""            # split .txt files into documents on this string ("" = one file, one doc)
+  c.data.max_text_gib = 1.0            # text files (GiB on disk) train tokenises in memory at each start; above: prepare a store
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 600
@@ -73,7 +74,7 @@ def get_config():
   c.mesh.tensor = 1
 
   c.kernels = ml_collections.ConfigDict()
-  c.kernels.impl = "auto"              # auto | pallas | xla | naive  (cross-entropy and codebook mixing)
+  c.kernels.impl = "auto"              # auto | pallas | xla | naive  (cross-entropy and codebook mixing; pallas: mesh.tensor=1)
   c.kernels.attention = "auto"         # auto | dense | xla_blocked | pallas_tpu | pallas_gpu  (self-attention, docs/kernels.md)
 
   # Auxiliary objectives, off here; configs/tiny_nitp.py turns NITP on (docs/aux.md).

@@ -135,6 +135,7 @@ def validate(cfg):
   check(0 < d.val_fraction < 1, "data.val_fraction", f"must lie in (0, 1), got {d.val_fraction}.")
   check(isinstance(d.source, str) and d.source.strip() != "", "data.source",
         "is empty; use 'kjv' or a path to .txt/.jsonl files.")
+  check(d.get("max_text_gib", 1) > 0, "data.max_text_gib", f"must be > 0 (GiB), got {d.get('max_text_gib')}.")
 
   check(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}.")
   for f in ("log_every", "checkpoint_every", "keep_checkpoints"):
@@ -171,6 +172,12 @@ def validate(cfg):
   check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh.data/fsdp/tensor",
         "at most one may be -1 (fill).")
   check_choice(cfg.kernels.impl, "kernels.impl", KERNEL_IMPLS)
+  # The cross-entropy and mixing kernels take the LM head / codebook whole per batch shard, and XLA
+  # cannot split a Mosaic call over the vocabulary the tensor axis shards (-1 may fill it).
+  check(not (cfg.kernels.impl.startswith("pallas") and cfg.mesh.tensor != 1), "kernels.impl",
+        f"{cfg.kernels.impl!r} (the Pallas cross-entropy and codebook-mixing kernels) does not run with "
+        f"mesh.tensor={cfg.mesh.tensor}, which shards the vocabulary; set kernels.impl='auto' (XLA paths) or "
+        "'xla', or mesh.tensor=1.")
   check_choice(cfg.kernels.get("attention", "auto"), "kernels.attention", ATTENTION_IMPLS)
   if cfg.kernels.get("attention", "auto") == "cudnn":
     check(m.dtype != "float32", "kernels.attention",

@@ -56,6 +56,7 @@ def initialize(args):
   flags, the environment and the runtime disagree. Call before anything touches a device."""
   global TIMEOUT_S  # pylint: disable=global-statement
   TIMEOUT_S = args.agreement_timeout
+  quiet_absent_tpu()
   address = args.coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
   count = args.num_processes if args.num_processes is not None else env_int("JAX_NUM_PROCESSES")
   index = args.process_id if args.process_id is not None else env_int("JAX_PROCESS_ID")
@@ -106,7 +107,7 @@ def detect_cluster(env):
     return SLURM, int(env["SLURM_NTASKS"])
   if "OMPI_MCA_orte_hnp_uri" in env and "OMPI_COMM_WORLD_SIZE" in env:
     return OPEN_MPI, int(env["OMPI_COMM_WORLD_SIZE"])
-  if importlib.util.find_spec("libtpu") and (glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")):
+  if importlib.util.find_spec("libtpu") and tpu_present():
     hosts = env.get("TPU_WORKER_HOSTNAMES", "")
     return "this Cloud TPU slice", len(hosts.split(",")) if hosts else 0
   if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env and importlib.util.find_spec("kubernetes"):
@@ -169,6 +170,27 @@ def visible_gpus(env):
       return len([d for d in env[name].split(",") if d.strip() and d.strip() != "NoDevFiles"])
   gpus = env_int("SLURM_GPUS_ON_NODE", env)
   return gpus if gpus is not None else len(glob.glob(NVIDIA_DEVICES))
+
+
+def tpu_present():
+  """Whether this machine has TPU chips (their device files)."""
+  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def quiet_absent_tpu():
+  """Keep an installed libtpu (the `tpu` extra, which plan needs for TPU slices) quiet on a machine
+  without a TPU. At start-up jax loads it to look for one, and libtpu prints warnings (no
+  TPU_ACCELERATOR_TYPE, no TPU_WORKER_HOSTNAMES) and takes /tmp/libtpu_lockfile, which one process
+  at a time may hold. JAX_PLATFORMS=cpu, jax's documented way to skip other backends, skips the
+  probe where no GPU is either (a JAX_PLATFORMS of the user's is kept); one host's
+  TPU_WORKER_HOSTNAMES and TPU_HOST_BOUNDS, the machine's true description, quiet plan's own load."""
+  if importlib.util.find_spec("libtpu") is None or tpu_present():
+    return
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+  gpu = glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd")  # NVIDIA's, AMD's
+  if not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms and not gpu:
+    jax.config.update("jax_platforms", "cpu")
 
 
 def describe(mesh=None):

@@ -14,8 +14,8 @@ TOPO is one of
   v5p-128        a Cloud TPU slice by name, compiled through libtpu on any machine; v4 and v5p
                  names count TensorCores (two per chip), v5e and v6e names count chips
   v5p:4x4x4      a TPU slice by its chip grid (for slices whose chip count is no power of two)
-TPU topologies need libtpu: pip install -e ".[tpu]", in an environment of its own (with
-libtpu present, jax probes for TPUs at start-up).
+TPU topologies need libtpu: pip install -e ".[tpu]". On a machine without a TPU, the commands keep it
+quiet and skip jax's start-up probe for a TPU (distributed.quiet_absent_tpu).
 """
 import importlib.util
 import json
@@ -100,7 +100,7 @@ def topology_devices(topology):
   generation, grid = tpu_topology(topology)
   if importlib.util.find_spec("libtpu") is None:
     raise ValueError(f"--topology {topology} compiles through libtpu, which is not installed; "
-                     'pip install -e ".[tpu]" (in an environment of its own: see --help).')
+                     'pip install -e ".[tpu]".')
   from jax.experimental import topologies
   options = {"chip_config_name": "megacore"} if TPUS[generation][1] == 2 else {}
   try:

@@ -181,6 +181,8 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
   held = held_out(np.frombuffer(b"".join(s["keys"] for s in scans), np.uint8).reshape(-1, 32), d.val_fraction)
   train_sample = [doc for _, i, _, doc in sorted(sample, key=lambda s: s[1]) if not held[i]]
   tok = load_or_train_tokenizer(d, cfg.model.vocab_size, out, train_sample, shared=False)  # on process 0 alone
+  # --out is made only now: a source that fails the scan (bad content) or the tokenizer leaves nothing behind.
+  paths.path(out).mkdir(parents=True, exist_ok=True)
   paths.write_atomic(os.path.join(out, tok.filename), lambda f: f.write(tok.proto))
   origin = (f"data.tokenizer={given}" if given else
             f"SentencePiece BPE trained on {len(train_sample):,} training documents "
@@ -242,7 +244,6 @@ def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
                      ".txt / .jsonl / .parquet files or folders.")
   files = resolve_files(d.source)
   started = time.perf_counter()
-  paths.path(os.path.join(out, store.SHARDS)).mkdir(parents=True, exist_ok=True)
   # One pool for both passes; spawned, as a fork of a process that imported JAX is unsafe.
   with multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else _nothing() as pool:
     if plan is None:
@@ -250,6 +251,7 @@ def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
     else:
       check_resume(plan, cfg, files, out, shard_mb, sample_mb)
       log(f"resuming the prepare in {out}")
+    paths.path(os.path.join(out, store.SHARDS)).mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(find_tokenizer(out))
     dtype = store.token_dtype(tok.vocab_size)
     folder = paths.path(os.path.join(out, store.SHARDS))  # in a bucket: there once it holds a file

@@ -1,5 +1,9 @@
 """Every attention implementation against the dense reference and the NumPy one, values and
 gradients; memory of the blocked one; whole models with each."""
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +13,7 @@ from flax import nnx
 import numpy_ref as ref
 from conftest import ROOT, TINY_OVERRIDES
 from latent_jax import build_model, load_config
+from latent_jax.config import ConfigError
 from latent_jax.ops import attention as A
 from latent_jax.ops.transformer import NO_WINDOW
 
@@ -239,3 +244,103 @@ def test_cudnn_branches_match_dense_through_the_xla_api(window):
       np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-5, err_msg=msg)
       for g, w in zip(got_vjp(cot), want_vjp(cot)):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=msg)
+
+
+TENSOR_SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    import jax, jax.numpy as jnp, ml_collections, numpy as np
+    from jax.sharding import NamedSharding
+    import pallas_kernels
+    from latent_jax import objectives
+    from latent_jax.ops import attention as A
+    from latent_jax.ops.transformer import NO_WINDOW
+    from latent_jax.train import sharding
+
+    B, T, H, K, D = 4, 128, 4, 2, 8
+    AXES = {"q": ("batch", "length", "heads", "head_dim"), "kv": ("batch", "length", "kv_heads", "head_dim")}
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((B, T, H, D), (B, T, K, D), (B, T, K, D)))
+    seg = np.zeros((B, T), np.int32); pos = np.zeros((B, T), np.int32)
+    for r, cuts in enumerate([[0, 60, 128], [0, 128], [0, 30, 100, 128], [0, 7, 128]]):  # packed, no padding
+      for d, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        seg[r, a:b], pos[r, a:b] = d + 1, np.arange(b - a)
+    mesh_of = lambda data, tensor: sharding.make_mesh(ml_collections.ConfigDict(dict(data=data, fsdp=1, tensor=tensor)))
+
+    def loss(q, k, v, impl, constrain):
+      if constrain:  # the model's activations: heads over the tensor axis
+        q, k, v = (sharding.constrain(x, AXES[n]) for x, n in ((q, "q"), (k, "kv"), (v, "kv")))
+      return jnp.sum(A.attention(q, k, v, seg, pos, NO_WINDOW, impl) * jnp.cos(q))
+
+    def grads(impl, mesh=None):
+      f = jax.value_and_grad(loss, argnums=(0, 1, 2))
+      if mesh is None:
+        return jax.jit(f, static_argnums=(3, 4))(q, k, v, impl, False)
+      def g(q, k, v):
+        with sharding.use_mesh(mesh):
+          return f(q, k, v, impl, True)
+      put = lambda x, axes: jax.device_put(x, NamedSharding(mesh, sharding.logical_spec(axes, x.shape, mesh)))
+      return jax.jit(g)(put(q, AXES["q"]), put(k, AXES["kv"]), put(v, AXES["kv"]))
+
+    want = grads("dense")
+    # tensor=2 splits the 4 query and 2 KV heads; tensor=4 does not divide the KV heads: heads stay whole.
+    # (Both kernels go through the same per_head_shard; one case each keeps the test short.)
+    for impl, data, tensor in (("pallas_tpu", 2, 2), ("pallas_gpu", 1, 4)):
+      got = grads(impl, mesh_of(data, tensor))
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        err = np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b)))
+        assert err <= 1e-5, (impl, data, tensor, err)
+
+    # Each device runs the kernel on its own rows and heads.
+    seen = []
+    def record(rows, w):
+      seen.append(tuple(x.shape for x in rows))
+      return rows[0]
+    mesh = mesh_of(2, 2)
+    with sharding.use_mesh(mesh):
+      jax.jit(lambda *rows: sharding.per_head_shard(record, rows, (2, 2, 2, None, None), 5)).trace(q, k, v, seg, pos)
+    assert seen == [((2, T, 2, D), (2, T, 1, D), (2, T, 1, D), (2, T), (2, T))], seen
+
+    # Lowered for a TPU (Mosaic; no TPU needed): splash lowers with tensor=2, forward and both
+    # backward kernels per window. The Pallas cross-entropy does not (what config.validate refuses).
+    sds = lambda x, axes, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(
+        x.shape, dtype, sharding=NamedSharding(mesh, sharding.logical_spec(axes, x.shape, mesh)))
+    def splash(q, k, v):
+      with sharding.use_mesh(mesh):
+        out = A.attention(q, k, v, seg, pos, 5, "pallas_tpu", windows=(5, NO_WINDOW))
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+    def cross_entropy(h, w):
+      with sharding.use_mesh(mesh):
+        return objectives.token_cross_entropy(h, w, jnp.zeros((B, T), jnp.int32), "pallas")[0].sum()
+    with pallas_kernels.target_backend("tpu"):
+      lowered = jax.jit(jax.grad(splash, argnums=(0, 1, 2))).trace(
+          sds(q, AXES["q"]), sds(k, AXES["kv"]), sds(v, AXES["kv"])).lower(lowering_platforms=("tpu",))
+      assert lowered.as_text().count("tpu_custom_call") == 6
+      try:
+        jax.jit(jax.grad(cross_entropy, argnums=(0, 1))).trace(
+            sds(jnp.zeros((B, T, 128)), ("batch", "length", "act_embed")),
+            sds(jnp.zeros((128, 256)), ("embed", "vocab"))).lower(lowering_platforms=("tpu",))
+        raise AssertionError("the Pallas cross-entropy lowered with tensor=2: lift the refusal in config.validate")
+      except NotImplementedError as e:
+        assert "cannot be automatically partitioned" in str(e), e
+    print("OK")
+""")
+
+
+def test_pallas_attention_with_tensor_parallel_heads():
+  """mesh.tensor > 1 on 4 fake CPU devices: the interpreted kernels against dense (values, dq, dk,
+  dv) with heads split over the tensor axis, and with KV heads that do not divide it; each device
+  gets its own heads; splash lowers for TPU sharded so, the Pallas cross-entropy does not."""
+  result = subprocess.run([sys.executable, "-c", TENSOR_SCRIPT], capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)
+  assert result.returncode == 0, result.stdout + result.stderr[-5000:]
+  assert "OK" in result.stdout
+
+
+@pytest.mark.parametrize("impl", ["pallas", "pallas_interpret"])
+def test_pallas_cross_entropy_with_tensor_parallelism_is_refused(impl):
+  for tensor in ("2", "-1"):  # -1 may fill the tensor axis with every device
+    with pytest.raises(ConfigError, match=rf"kernels\.impl: .* mesh\.tensor={tensor}, .* kernels\.impl='auto' .* mesh\.tensor=1"):
+      load_config(f"{ROOT}/configs/tiny.py", [f"kernels.impl={impl}", "mesh.data=1", f"mesh.tensor={tensor}"])
+  for ok in (["kernels.impl=auto", "mesh.tensor=2", "kernels.attention=pallas_tpu"], [f"kernels.impl={impl}"]):
+    load_config(f"{ROOT}/configs/tiny.py", ok)

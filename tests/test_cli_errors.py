@@ -1,7 +1,7 @@
 """Bad input on every command line: exit code 2, one `error: ...` line on stderr that names the flag,
 setting or path, no traceback, and nothing written."""
 import io
-import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -126,6 +126,9 @@ TRAIN_CASES = {
     "jsonl without text": ("{tmp}/run", ["data.source={bad}/notext.jsonl"], ["notext.jsonl:2", '"text"']),
     "broken jsonl line": ("{tmp}/run", ["data.source={bad}/broken.jsonl"], ["broken.jsonl:2", "not valid JSON"]),
     "corpus too small": ("{tmp}/run", ["data.source={bad}/small"], ["data.batch_size=8", "data.source"]),
+    "text above data.max_text_gib": ("{tmp}/run", ["data.max_text_gib=1e-6"],
+                                     ["data.source", "GiB of text files", "data.max_text_gib=1e-06",
+                                      "python -m latent_jax.prepare --config CONFIG --out DIR"]),
     "workdir is a file": ("{bad}/a_file", [], ["--workdir", "a_file", "is a file"]),
     "workdir under a file": ("{bad}/a_file/run", [], ["--workdir", "a_file", "is a file"]),
     "missing tokenizer": ("{tmp}/run", ["data.tokenizer={tmp}/nope.model"], ["data.tokenizer", "nope.model"]),
@@ -218,3 +221,19 @@ def test_an_error_without_a_message_keeps_its_traceback(capsys):
   assert stop.value.code == 2 and capsys.readouterr().err == "error: data.source: no such file\n"
   with pytest.raises(io.UnsupportedOperation), cli.errors():
     raise io.UnsupportedOperation()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the tpu extra (libtpu) is not installed")
+def test_no_libtpu_warnings_without_a_tpu(tmp_path, corpus_dir):
+  """With libtpu installed on a machine without a TPU, a command's stderr holds its own lines only:
+  train (whose backend start-up would let libtpu look for a TPU) and plan (which loads libtpu to
+  compile for a slice), each stopped by a mesh that does not fit once the devices are known."""
+  from latent_jax import distributed
+  if distributed.tpu_present():
+    pytest.skip("this machine has a TPU")
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS" and not k.startswith("TPU_")}
+  cases = [(["latent_jax.train", *train_args(corpus_dir, tmp_path / "run", "mesh.data=2")], ["mesh", "1 devices"]),
+           (["latent_jax.plan", "--config", TINY, "--topology", "v5p-8", "--config.mesh.data=3"], ["mesh", "4 devices"])]
+  for args, names in cases:
+    out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    check_one_error_line(out.returncode, out.stderr, names)

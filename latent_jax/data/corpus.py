@@ -217,7 +217,8 @@ def resolve_files(source: str) -> list[str]:
             "path, glob or comma-separated list of .txt / .jsonl files or folders.")
       raise FileNotFoundError(
           f"data.source: {part!r} matches no file or folder; check the path" +
-          ("." if paths.is_url(part) else f" (relative paths are from {os.getcwd()})."))
+          ("" if paths.is_url(part) else f" (relative paths are from {os.getcwd()})") +
+          "; a token store is written by python -m latent_jax.prepare --config CONFIG --out DIR.")
     for m in matches:
       if paths.path(m).is_dir():
         files += [f for f in paths.files_under(m) if f.endswith(FOLDER_FILES)]

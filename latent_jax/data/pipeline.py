@@ -41,7 +41,7 @@ import numpy as np
 
 from latent_jax import paths
 from latent_jax.data import store
-from latent_jax.data.corpus import load_documents, split_documents
+from latent_jax.data.corpus import NAMED_SOURCES, load_documents, resolve_files, split_documents
 from latent_jax.data.tokenizer import Tokenizer, load_or_train_tokenizer, store_tokenizer
 
 FEATURES = ("inputs", "targets", "segment_ids", "positions")
@@ -193,6 +193,29 @@ def make_val_batches(data: Data, seq_len: int, batch_size: int, max_batches: int
 
 
 # ----------------------------------------------------------------------------- build
+
+MAX_TEXT_GIB = 1.0  # data.max_text_gib of configs saved before it existed
+
+
+def check_text_source(data_cfg, process_count: int):
+  """Refuse text files that training would read and tokenise in memory on every host at every start:
+  on several processes (each would hold and tokenise the whole corpus), or above data.max_text_gib.
+  The embedded corpora (a few MB) and token stores pass. Stats the files only: nothing is read."""
+  source = data_cfg.source.strip()
+  if source in NAMED_SOURCES or store.is_store(source):
+    return
+  prepare = (f"tokenise it once into a token store, python -m latent_jax.prepare --config CONFIG --out DIR "
+             f"--config.data.source={source}, then train with --config.data.source=DIR (docs/data.md)")
+  if process_count > 1:
+    raise ValueError(f"data.source={source} is text, which each of the {process_count} processes would read and "
+                     f"tokenise whole at every start; {prepare}, running prepare on every host with the same "
+                     "multi-host flags (process 0 writes the store).")
+  limit = data_cfg.get("max_text_gib", MAX_TEXT_GIB)
+  size = sum(paths.size(f) for f in resolve_files(source))
+  if size > limit * 2**30:
+    raise ValueError(f"data.source={source} holds {size / 2**30:.3g} GiB of text files, above data.max_text_gib="
+                     f"{limit:g}, the most that training tokenises in memory at every start; {prepare}, or raise "
+                     "data.max_text_gib.")
 
 
 def build_data(cfg, workdir: str, source: Tokenizer | None = None) -> Data:

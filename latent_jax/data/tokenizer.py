@@ -224,8 +224,9 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
       tok, origin = Tokenizer(found), found
     except ValueError:
       raise ValueError(f"{found} is damaged (not a tokenizer file), and every checkpoint of this workdir "
-                       "needs the token ids it defines: copy it back from an export of this run or a backup; it "
-                       "cannot be retrained to the same ids.") from None
+                       "needs the token ids it defines, but none holds a copy (saved before checkpoints held one): "
+                       "copy it back from an export of this run or a backup; it cannot be retrained to the same "
+                       "ids.") from None
   elif source is not None:
     tok, origin = Tokenizer(os.path.join(workdir, source.filename), source.proto), f"train.init_from's {source.path}"
   else:

@@ -36,10 +36,12 @@ def find_checkpoint(directory, step=None):
 
 
 def load_config(directory, step=None):
-  """(config, step) of a workdir's latest (or given) checkpoint, or of an export folder."""
+  """(config, step) of a workdir's latest (or given) checkpoint, or of an export folder. A workdir's
+  lost or damaged tokenizer file is restored from its checkpoints first (checkpoint.restore_tokenizer)."""
   if is_export(directory):
     return checkpoint.config_from_json(json.loads(paths.path(os.path.join(directory, "config.json")).read_text())), None
   manager, step = find_checkpoint(directory, step)
+  checkpoint.restore_tokenizer(directory)
   return checkpoint.config_from_json(manager.restore_meta(step)["config"]), step
 
 

@@ -36,7 +36,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from latent_jax.config import ATTENTION_IMPLS
 from latent_jax.ops import transformer as T
-from latent_jax.train.sharding import per_batch_shard
+from latent_jax.train.sharding import per_head_shard
 from pallas_kernels._common import backend as kernel_backend, device_kind as kernel_device_kind
 
 IMPLS = ATTENTION_IMPLS
@@ -356,15 +356,14 @@ def attention(q, k, v, segment_ids, positions, window, impl="auto", block=None, 
   block = block or block_size(q.shape[1])
   if impl == "dense":
     return dense_attention(q, k, v, segment_ids, positions, window)
-  # The Pallas kernels run on each device's own rows: a Mosaic or Triton call is not partitioned
+  # The kernels run on each device's own rows and heads: a Mosaic or Triton call is not partitioned
   # by XLA. Compiled on their backend; interpreting is the only way they run elsewhere.
   if impl == "pallas_tpu":
     kernel = lambda rows, w: tpu_attention(*rows, w, windows, block, kernel_backend() != "tpu")
-    return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
-  if impl == "pallas_gpu":
+  elif impl == "pallas_gpu":
     kernel = lambda rows, w: gpu_attention(*rows, w, block, kernel_backend() != "gpu")
-    return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
-  if impl == "cudnn":
+  elif impl == "cudnn":
     kernel = lambda rows, w: cudnn_attention(*rows, w, windows)
-    return per_batch_shard(kernel, (q, k, v, segment_ids, positions), window)
-  return blocked_attention(q, k, v, segment_ids, positions, window, block)
+  else:
+    return blocked_attention(q, k, v, segment_ids, positions, window, block)
+  return per_head_shard(kernel, (q, k, v, segment_ids, positions), (2, 2, 2, None, None), window)

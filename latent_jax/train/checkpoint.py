@@ -1,8 +1,11 @@
 """Orbax checkpoints of a run: params, optimiser state and metadata.
 
-Layout: WORKDIR/checkpoints/STEP/{params, opt_state, meta}; TST runs also keep their
+Layout: WORKDIR/checkpoints/STEP/{params, opt_state, meta, tokenizer}; TST runs also keep their
 phase-1 result in WORKDIR/phase1/STEP/..., which max_to_keep never removes. `params` is its
-own item so evaluation, generation and export restore it without the optimiser. Saves are async;
+own item so evaluation, generation and export restore it without the optimiser. `tokenizer` holds
+the run's tokenizer file (its checksum is in `meta` too), so a workdir whose tokenizer.model (or
+.json) is lost or damaged gets it back from its newest checkpoint (`restore_tokenizer`); checkpoints
+from before it was saved lack it, and restore as before. Saves are async;
 an interrupted save leaves only a temporary folder that the next training ignores and removes.
 Readers (eval, generate, export) open the folders read-only: they list committed steps only and
 never touch a training's in-flight temporary folders.
@@ -12,7 +15,9 @@ resumes on any number of hosts. (Checkpoints from before kept a `data` item; it 
 Arrays are restored into the shardings of the target given, whatever mesh and process count
 saved them.
 """
+import base64
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -23,10 +28,12 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from latent_jax import paths
+from latent_jax import distributed, paths
+from latent_jax.train.workdir import move_aside
 
 
 LIST_ATTEMPTS = 5
+TOKENIZER = "tokenizer"  # the item holding the tokenizer file, and its key in meta
 
 
 class Checkpoints:
@@ -66,10 +73,13 @@ class Checkpoints:
   def path(self, step):
     return os.path.join(self.directory, str(step))
 
-  def save(self, step, state, meta):
-    """Save the train state {"params", "opt_state", "step"} and a JSON dict (written by process 0)."""
+  def save(self, step, state, meta, tokenizer):
+    """Save the train state {"params", "opt_state", "step"}, a JSON dict and the run's `tokenizer` (a
+    data.Tokenizer: its file's name and bytes); the JSON items are written by process 0."""
+    file = {"file": tokenizer.filename, "sha256": hashlib.sha256(tokenizer.proto).hexdigest()}
     args = dict(params=ocp.args.StandardSave(state["params"]), opt_state=ocp.args.StandardSave(state["opt_state"]),
-                meta=ocp.args.JsonSave({**meta, "step": int(step)}))
+                meta=ocp.args.JsonSave({**meta, "step": int(step), TOKENIZER: file}),
+                tokenizer=ocp.args.JsonSave({**file, "base64": base64.b64encode(tokenizer.proto).decode()}))
     self.manager.save(step, args=ocp.args.Composite(**args), force=True)
 
   def read(self, step, **items):
@@ -112,6 +122,16 @@ class Checkpoints:
   def restore_meta(self, step):
     with self.reading(step):
       return self.read(step, meta=ocp.args.JsonRestore())["meta"]
+
+  def restore_tokenizer(self, step):
+    """(file name, bytes) of the tokenizer file saved with `step`; None if it has none (saved before
+    they were) or its copy does not match its checksum."""
+    if not paths.path(os.path.join(self.path(step), TOKENIZER)).is_dir():
+      return None
+    with self.reading(step):
+      saved = self.manager.restore(step, args=ocp.args.Composite(tokenizer=ocp.args.JsonRestore()))[TOKENIZER]
+    proto = base64.b64decode(saved["base64"])
+    return (saved["file"], proto) if hashlib.sha256(proto).hexdigest() == saved["sha256"] else None
 
   @contextlib.contextmanager
   def reading(self, step):
@@ -168,6 +188,43 @@ def has_checkpoints(workdir):
   """Whether the workdir holds a saved step (a regular checkpoint or a TST phase-1 result)."""
   folders = [paths.path(os.path.join(workdir, sub)) for sub in ("checkpoints", "phase1")]
   return any(f.name.isdigit() for folder in folders if folder.is_dir() for f in folder.iterdir())
+
+
+def restore_tokenizer(workdir, log=print):
+  """Put the workdir's tokenizer file back from its newest checkpoint that holds one, when the file is
+  missing, or is not the file that checkpoint saved (damaged, or another tokenizer): every checkpoint
+  of the run depends on its token ids. What was there is moved to WORKDIR/damaged/, never deleted.
+  Call on every process (Orbax's managers synchronise them); process 0 writes. Returns the restored
+  path, or None when nothing was to do (or no checkpoint holds a tokenizer)."""
+  managers = [Checkpoints(workdir, subdir=sub, read_only=True) for sub in ("checkpoints", "phase1")
+              if paths.path(os.path.join(workdir, sub)).is_dir()]
+  for step, saved in sorted(((s, m) for m in managers for s in m.all_steps()), key=lambda x: x[0], reverse=True):
+    try:
+      expected = saved.restore_meta(step).get(TOKENIZER)
+      found = saved.restore_tokenizer(step) if expected else None
+    except Exception:  # pylint: disable=broad-except  # a damaged checkpoint: try the one before it
+      continue
+    if not expected:
+      return None  # saved before checkpoints held the tokenizer: the workdir's file is the only copy
+    if found is None:
+      continue
+    name, proto = found
+    path = os.path.join(workdir, name)
+    here = paths.path(path).read_bytes() if paths.path(path).is_file() else None
+    if here is not None and hashlib.sha256(here).hexdigest() == expected["sha256"]:
+      return None
+
+    def put_back():
+      why = "is missing"
+      if here is not None:
+        moved = move_aside(path, workdir, f"not the tokenizer file saved with {saved.path(step)}")
+        why = f"is damaged or another tokenizer (not the file saved with the checkpoints; moved to {moved})"
+      paths.write_atomic(path, lambda f: f.write(proto))
+      log(f"warning: {path} {why}; restored it from {saved.path(step)}, which holds the run's tokenizer")
+
+    distributed.on_primary(put_back, OSError)
+    return path
+  return None
 
 
 def config_to_json(cfg):

@@ -14,7 +14,7 @@ from flax import nnx
 from latent_jax import distributed
 from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
-from latent_jax.data import build_data, make_train_iterator, make_val_batches, save_tokenizer
+from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, save_tokenizer
 from latent_jax.infer import load
 from latent_jax.train import checkpoint, flops, phases, resume, sharding
 from latent_jax.train import step as steps
@@ -36,6 +36,7 @@ def train(cfg, workdir, allow_data_change=False):
   """
   started = time.perf_counter()
   validate(cfg)
+  check_text_source(cfg.data, jax.process_count())  # before the workdir is made
   writable_dir(workdir, "--workdir")
   created, lock = distributed.on_primary("workdir lock", lambda: hold_workdir(workdir), WorkdirBusy,
                                          OSError) or (None, None)
@@ -60,6 +61,7 @@ def run(cfg, workdir, allow_data_change, started):
   source = None
   if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from
     resume.check_saved_config(workdir, cfg, allow_data_change, log=say)
+    checkpoint.restore_tokenizer(workdir, log=say)
   elif cfg.train.get("init_from"):
     source = adopt_source(cfg)
 
@@ -172,7 +174,7 @@ def run(cfg, workdir, allow_data_change, started):
             val = steps.evaluate(eval_step, state["params"], val_batches, mesh, cfg.data.batch_size)
             metrics.update(val_loss=val["val_loss"], val_bpb=val["val_bpb"])
             last_time = time.perf_counter()  # keep evaluation out of the throughput
-          writer.write(step, metrics)
+          writer.write(step, metrics, upload=eval_now)
           bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:,.0f}",
                           mfu=f"{100 * metrics['mfu']:.2g}%")  # two digits: a tiny model on a GPU is at 0.05%
         bar.update(1)
@@ -183,7 +185,7 @@ def run(cfg, workdir, allow_data_change, started):
           tags = {} if phase.number is None else {"phase": phase.number}
           if switch:
             tags["phase1_final"] = True
-          saver.save(step, state, {**meta, **tags})
+          saver.save(step, state, {**meta, **tags}, data.tokenizer)
         if stopping:
           stopped = True
           break

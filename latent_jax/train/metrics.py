@@ -1,47 +1,69 @@
 """Metrics to WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard.
 
 Process 0 keeps metrics.jsonl open for the run and flushes each row as it writes it, so a local
-file holds every row logged so far. A bucket has no appends: there the file is written whole
-when the run ends, stops or fails (TensorBoard's events are uploaded every two minutes).
+file holds every row logged so far. A bucket has no appends, and an object appears only when its
+upload ends: there the rows so far are uploaded whole after every evaluation, at least every
+UPLOAD_SECONDS, and when the run ends, stops or fails (TensorBoard's events are uploaded every two
+minutes), so a hard kill loses at most the rows of the last few minutes.
 """
 import json
 import math
 import os
+import time
 
 import jax
 
 from latent_jax import paths
+
+UPLOAD_SECONDS = 300.0  # a long run's rows (~50 MB at 7B scale) are uploaded whole: not at every step
 
 
 class MetricsWriter:
   def __init__(self, workdir, resume_step=0):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self.file = self.tb = None
+    self.file = self.tb = self.rows = None
     if not self.enabled:
       return
     # On resume, forget rows logged after the restored checkpoint: they will be logged again.
     kept = [r for r in read_rows(self.path, warn=True) if r["step"] <= resume_step] if paths.path(
         self.path).exists() else []
-    self.file = paths.path(self.path).open("w")
-    self.file.writelines(json.dumps(r) + "\n" for r in kept)
-    self.file.flush()
+    lines = [json.dumps(r) + "\n" for r in kept]
+    if paths.is_url(self.path):
+      self.rows, self.uploaded = lines, time.monotonic()
+    else:
+      self.file = paths.path(self.path).open("w")
+      self.file.writelines(lines)
+      self.file.flush()
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
-  def write(self, step, metrics):
+  def write(self, step, metrics, upload=False):
+    """One row; `upload`: in a bucket, upload the rows now (the loop asks after an evaluation)."""
     if not self.enabled:
       return
     row = {"step": int(step), **{k: to_python(v) for k, v in metrics.items()}}
-    self.file.write(json.dumps(row) + "\n")
-    self.file.flush()
+    if self.rows is None:
+      self.file.write(json.dumps(row) + "\n")
+      self.file.flush()
+    else:
+      self.rows.append(json.dumps(row) + "\n")
+      if upload or time.monotonic() - self.uploaded >= UPLOAD_SECONDS:
+        self.upload()
     for k, v in row.items():
       if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
         self.tb.add_scalar(k, v, step)
 
+  def upload(self):
+    """Write the bucket's metrics.jsonl whole: one object, every row so far."""
+    paths.path(self.path).write_text("".join(self.rows))
+    self.uploaded = time.monotonic()
+
   def close(self):
     if self.file is not None:
       self.file.close()
+    if self.rows is not None:
+      self.upload()
     if self.tb is not None:
       self.tb.close()
 

@@ -10,8 +10,8 @@ Changes to a resumed run's config fall in three kinds:
                 tst.carry and tst.reinit_embeddings_at_switch, may change: one phase-1 result
                 can start several phase-2 variants);
   data          the batches would change under a restored iterator position: data.source,
-                data.batch_size, data.seq_len (any data.* field) and train.seed; refused unless
-                the train CLI is given --allow_data_change;
+                data.batch_size, data.seq_len (any data.* field but data.max_text_gib) and train.seed;
+                refused unless the train CLI is given --allow_data_change;
   anything else (lr, schedule, train.steps, train.microbatches, logging, mesh, kernels, loss
                 weights) is taken, and printed.
 """
@@ -26,6 +26,7 @@ REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.en
            "mtp.enabled", "tst.enabled", "tst.s", "tst.r", "tst.budget", "tst.superpose", "tst.positions")
 TAKEN = ("model.remat", "model.scan_unroll", "model.dtype", "model.allow_bf16_params")
 DATA = ("data.", "train.seed")
+DATA_TAKEN = ("data.max_text_gib",)  # a guard on reading text, not the data: the batches stay the same
 IGNORED = ("train.init_from",)  # a resumed run reads its own checkpoints, never its source
 DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all"}  # fields older checkpoints may lack
 
@@ -70,7 +71,7 @@ def check_config(saved, now, path, allow_data_change=False):
     raise ConfigError(f"{path} was saved with another model, tokenizer or optimiser ({listing(refused)}); resume "
                       f"with the saved values, or start a new --workdir with train.init_from={workdir} to continue "
                       "from its params.")
-  data = [c for c in changes if matches(c[0], DATA)]
+  data = [c for c in changes if matches(c[0], DATA) and not matches(c[0], DATA_TAKEN)]
   if data and not allow_data_change:
     raise ConfigError(f"{path} was saved with other data ({listing(data)}): the restored iterator position would "
                       "mean other batches. Resume with the saved values, or pass --allow_data_change to resume on "

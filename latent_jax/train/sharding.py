@@ -108,6 +108,36 @@ def per_batch_shard(fn, rows, *whole):
                        axis_names=manual, check_vma=False)(rows, *whole)
 
 
+def per_head_shard(fn, rows, head_dims, *whole):
+  """fn(rows, *whole) with each device taking its own heads of its own batch shard: attention
+  (q, k, v, segment ids, positions), whose heads are independent. The dim `head_dims[i]` of
+  `rows[i]` (None: it has none) is split over the heads' mesh axis where every such dim divides
+  (GQA groups then stay whole on a device: query head h reads K/V head h // (H/K)), else those
+  arrays arrive whole on that axis and its devices compute every head alike. fn's output is split as
+  rows[0]. Every mesh axis is manual: a Mosaic kernel cannot be partitioned automatically, so
+  per_batch_shard, which leaves the tensor axis to XLA, fails to lower with mesh.tensor > 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or math.prod(mesh.shape.values()) == 1:  # one device: nothing to split
+    return fn(rows, *whole)
+  batch = tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
+  if rows[0].shape[0] % math.prod(mesh.shape[a] for a in batch):
+    batch = ()  # rows that do not divide: every device of a batch shard runs all of them
+  heads = RULES["heads"]
+  split = mesh.shape[heads] > 1 and all(x.shape[d] % mesh.shape[heads] == 0 for x, d in zip(rows, head_dims)
+                                        if d is not None)
+
+  def spec(x, dim):
+    names = [batch or None] + [None] * (x.ndim - 1)
+    if split and dim is not None:
+      names[dim] = heads
+    return P(*names)
+
+  specs = tuple(spec(x, d) for x, d in zip(rows, head_dims))
+  # check_vma=False as in per_batch_shard: the kernels' custom VJPs return shard-varying gradients.
+  return jax.shard_map(fn, in_specs=(specs,) + (P(),) * len(whole), out_specs=specs[0],
+                       axis_names=set(mesh.axis_names), check_vma=False)(rows, *whole)
+
+
 def state_shardings(state, mesh):
   """NamedSharding for every leaf of an nnx.State, from each Variable's `axes` metadata."""
   def one(var):
