@@ -71,7 +71,8 @@ def get_config():
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                     # -1: all devices left over
   c.mesh.fsdp = 1
-  c.mesh.tensor = 1
+  c.mesh.tensor = 1                    # data, fsdp, tensor: within one slice
+  c.mesh.slices = 1                    # TPU slices (or groups of hosts) the data axis spans, over DCN; fsdp, tensor stay inside one
 
   c.kernels = ml_collections.ConfigDict()
   c.kernels.impl = "auto"              # auto | pallas | xla | naive  (cross-entropy and codebook mixing; pallas: mesh.tensor=1)

@@ -171,6 +171,8 @@ def validate(cfg):
           f"{size!r} must be >= 1, or -1 to take the devices left over.")
   check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh.data/fsdp/tensor",
         "at most one may be -1 (fill).")
+  slices = cfg.mesh.get("slices", 1)
+  check(isinstance(slices, int) and slices >= 1, "mesh.slices", f"{slices!r} must be a positive integer (1: one slice).")
   check_choice(cfg.kernels.impl, "kernels.impl", KERNEL_IMPLS)
   # The cross-entropy and mixing kernels take the LM head / codebook whole per batch shard, and XLA
   # cannot split a Mosaic call over the vocabulary the tensor axis shards (-1 may fill it).

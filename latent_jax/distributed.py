@@ -108,7 +108,10 @@ def detect_cluster(env):
   if "OMPI_MCA_orte_hnp_uri" in env and "OMPI_COMM_WORLD_SIZE" in env:
     return OPEN_MPI, int(env["OMPI_COMM_WORLD_SIZE"])
   if importlib.util.find_spec("libtpu") and tpu_present():
-    hosts = env.get("TPU_WORKER_HOSTNAMES", "")
+    # TPU_WORKER_HOSTNAMES lists one slice's hosts; a multislice job runs MEGASCALE_NUM_SLICES of them.
+    hosts, slices = env.get("TPU_WORKER_HOSTNAMES", ""), env_int("MEGASCALE_NUM_SLICES", env) or 1
+    if slices > 1:
+      return f"these {slices} Cloud TPU slices", len(hosts.split(",")) * slices if hosts else 0
     return "this Cloud TPU slice", len(hosts.split(",")) if hosts else 0
   if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env and importlib.util.find_spec("kubernetes"):
     return "this Kubernetes Job", 0

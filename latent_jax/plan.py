@@ -1,4 +1,4 @@
-"""python -m latent_jax.plan --config CONFIG --topology TOPO [--hbm_gib=G] [--config.a.b=v ...]
+"""python -m latent_jax.plan --config CONFIG --topology TOPO [--slices=S] [--hbm_gib=G] [--config.a.b=v ...]
 
 Lowers and compiles the config's real train step ahead of time for TOPO, on abstract state
 (no weights are allocated), and prints per device: parameters, optimiser state, batch,
@@ -14,6 +14,9 @@ TOPO is one of
   v5p-128        a Cloud TPU slice by name, compiled through libtpu on any machine; v4 and v5p
                  names count TensorCores (two per chip), v5e and v6e names count chips
   v5p:4x4x4      a TPU slice by its chip grid (for slices whose chip count is no power of two)
+--slices=S takes S such slices joined over DCN (multislice; it sets mesh.slices): the data axis
+spans them, fsdp and tensor stay inside one; plan then also estimates the bytes a chip sends over
+DCN per step (the gradients' all-reduce across slices).
 TPU topologies need libtpu: pip install -e ".[tpu]". On a machine without a TPU, the commands keep it
 quiet and skip jax's start-up probe for a TPU (distributed.quiet_absent_tpu).
 """
@@ -75,14 +78,16 @@ def tpu_topology(topology):
   return generation, "x".join(map(str, chip_grid(chips, dims)))
 
 
-def topology_devices(topology):
-  """TOPO -> (devices, how they are named, HBM per device in bytes or None, where that figure comes from)."""
+def topology_devices(topology, slices=1):
+  """TOPO (`slices` of it) -> (devices, how they are named, HBM per device in bytes or None, where that
+  figure comes from)."""
   if topology == "local":
     devices = jax.devices()
     return devices, f"local {devices[0].platform}", *device_memory(devices)
+  name = topology if slices == 1 else f"{slices} x {topology}"
   cpus = re.fullmatch(r"cpu:(\d+)", topology)
   if cpus:
-    n = int(cpus.group(1))
+    n = int(cpus.group(1)) * slices  # fake slices: runs of CPU devices
     if n < 1:
       raise ValueError(f"--topology {topology}: needs at least one device, e.g. cpu:4.")
     try:
@@ -93,7 +98,7 @@ def topology_devices(topology):
     if len(devices) < n:
       raise ValueError(f"--topology {topology}: jax already started here with {len(devices)} CPU devices; "
                        "plan in a fresh process.")
-    return devices[:n], topology, host_memory() / n, "host RAM / N"
+    return devices[:n], name, host_memory() / n, "host RAM / N"
   if not re.fullmatch(r"v\w+(-\d+|:\d+(x\d+)+)", topology):
     raise ValueError(f"--topology {topology}: unknown topology; use local, cpu:N, a Cloud TPU name such as "
                      "v5p-128 or v5e-256, or a chip grid such as v5p:4x4x4.")
@@ -103,12 +108,14 @@ def topology_devices(topology):
                      'pip install -e ".[tpu]".')
   from jax.experimental import topologies
   options = {"chip_config_name": "megacore"} if TPUS[generation][1] == 2 else {}
+  if slices > 1:
+    options["num_slices"] = slices
   try:
     devices = topologies.get_topology_desc(topology_name=f"{generation}:{grid}", platform="tpu", **options).devices
   except jax.errors.JaxRuntimeError as e:
     raise ValueError(f"--topology {topology}: libtpu refuses the slice {generation}:{grid} ({e}); "
                      "give another chip grid.") from None
-  return devices, f"{topology} ({generation}:{grid})", TPUS[generation][0] * GIB, "XLA:TPU's limit"
+  return devices, f"{name} ({generation}:{grid})", TPUS[generation][0] * GIB, "XLA:TPU's limit"
 
 
 def device_memory(devices):
@@ -141,10 +148,14 @@ def peak_bytes(memory):
   return memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"]
 
 
-def plan(cfg, topology="local", hbm_gib=None):
-  """Compile the train step of every phase for `topology`; returns the figures the JSON line prints."""
+def plan(cfg, topology="local", hbm_gib=None, slices=None):
+  """Compile the train step of every phase for `topology` (`slices` of it, else mesh.slices); returns
+  the figures the JSON line prints."""
+  if slices:
+    cfg.mesh.slices = slices
   validate(cfg)
-  devices, name, hbm, hbm_source = topology_devices(topology)
+  slices = cfg.mesh.get("slices", 1)
+  devices, name, hbm, hbm_source = topology_devices(topology, slices if topology != "local" else 1)
   if hbm_gib is not None:
     hbm, hbm_source = hbm_gib * GIB, "--hbm_gib"
   if hbm is None:
@@ -190,10 +201,12 @@ def plan(cfg, topology="local", hbm_gib=None):
       result.update(compiled=False, temp_bytes=temp, peak_bytes=temp + result["params_bytes"]
                     + result["opt_state_bytes"] + result["batch_bytes"], xla_peak_bytes=None, flops=None)
     result["model_flops"] = phase.flops_per_step / len(devices)
+    if slices > 1:  # a ring all-reduce of each chip's gradient shard (its parameters' size) over the slices
+      result["dcn_bytes"] = round(2 * (slices - 1) / slices * result["params_bytes"])
     results.append(result)
     print(report(result, hbm))
   peak = max(r["peak_bytes"] for r in results)
-  return {"topology": topology, "devices": len(devices), "device_kind": devices[0].device_kind,
+  return {"topology": topology, "slices": slices, "devices": len(devices), "device_kind": devices[0].device_kind,
           "mesh": dict(mesh.shape), "peak_gib": peak / GIB, "hbm_gib": hbm / GIB, "hbm_source": hbm_source,
           "fits": peak <= hbm, "phases": results}
 
@@ -209,16 +222,20 @@ def report(r, hbm):
   else:
     xla = (f"  {'':<18}(the compiler refused the program for its temporaries, the one figure it gives)",
            f"  {'FLOPs per step':<18}{r['model_flops']:10.3e} (the model's count; XLA's needs a compiled program)")
+  dcn = [gib("dcn_bytes", "sent over DCN") + " per step (estimated: the gradients' all-reduce across slices)"] \
+      if "dcn_bytes" in r else []
   return "\n".join([
       "per device:", gib("params_bytes", "parameters"), gib("opt_state_bytes", "optimiser state"),
       gib("batch_bytes", "batch"), gib("temp_bytes", "temporaries"),
-      gib("peak_bytes", "peak") + f" of {hbm / GIB:.2f} GiB: {fits}", *xla,
+      gib("peak_bytes", "peak") + f" of {hbm / GIB:.2f} GiB: {fits}", *xla, *dcn,
       f"  {'compile':<18}{r['compile_s']:10.1f} s"])
 
 
 FLAGS = [cli.CONFIG,
          cli.Flag("topology", str, "local",
                   "local, cpu:N, a Cloud TPU name (v5p-128, v5e-256, v4-64) or chip grid (v5p:4x4x4)"),
+         cli.Flag("slices", int, None, "TPU slices (multislice) of --topology, joined over DCN; sets mesh.slices "
+                  "(default: the config's)", lambda n: n >= 1, ">= 1"),
          cli.Flag("hbm_gib", float, None, "memory per device in GiB to fit in; default: the device's, XLA:TPU's "
                   "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")
          ] + distributed.FLAGS  # for --topology=local on several hosts
@@ -228,7 +245,7 @@ def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    result = plan(load_config(args.config, args.overrides), args.topology, args.hbm_gib)
+    result = plan(load_config(args.config, args.overrides), args.topology, args.hbm_gib, args.slices)
   print(json.dumps(result))
   raise SystemExit(0 if result["fits"] else 1)
 

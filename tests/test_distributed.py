@@ -105,6 +105,17 @@ def test_processes_that_cannot_split_a_node_are_an_error(launcher_env):
     distributed.local_device_ids(os.environ)
 
 
+def test_a_multislice_tpu_job_counts_every_slices_hosts(monkeypatch):
+  """TPU_WORKER_HOSTNAMES lists one slice's hosts; MEGASCALE_NUM_SLICES says how many slices run."""
+  find_spec = distributed.importlib.util.find_spec  # a TPU VM: libtpu installed, TPU chips present
+  monkeypatch.setattr(distributed.importlib.util, "find_spec", lambda name, *a: object() if name == "libtpu"
+                      else find_spec(name, *a))
+  monkeypatch.setattr(distributed, "tpu_present", lambda: True)
+  env = {"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"}
+  assert distributed.detect_cluster(env) == ("this Cloud TPU slice", 4)
+  assert distributed.detect_cluster({**env, "MEGASCALE_NUM_SLICES": "2"}) == ("these 2 Cloud TPU slices", 8)
+
+
 # ----------------------------------------------------------------------------- agreements
 
 AGREE = """

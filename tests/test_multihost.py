@@ -202,16 +202,16 @@ def assert_same_metrics(a, b, tol=1e-6):
 
 
 @pytest.mark.slow  # 4 and 2 training processes on 2 cores
-@pytest.mark.parametrize("mesh,processes", [(("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=2"), 2),
-                                            (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1"), 4)])
-def test_every_process_feeds_its_devices_rows_for_any_mesh(tmp_path, corpus_store, mesh, processes):
-  """A tensor axis across 2 processes (both read every row) and data x fsdp over 4 processes
-  (each reads its quarter) train exactly as 1 process holding all the devices; every logged
-  figure, val_bpb included, is the same."""
-  devices = 2 if "mesh.tensor=2" in mesh else 4
-  extra = list(mesh)
+@pytest.mark.parametrize("mesh,processes,devices", [
+    (("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=2"), 2, 2),   # tensor across processes: both read every row
+    (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1"), 4, 4),   # data x fsdp over 4 processes: a quarter each
+    (("mesh.slices=2", "mesh.data=1", "mesh.fsdp=2"), 2, 4)])  # 2 processes standing in for 2 slices
+def test_every_process_feeds_its_devices_rows_for_any_mesh(tmp_path, corpus_store, mesh, processes, devices):
+  """Each mesh, spread over several processes, trains exactly as 1 process holding all the devices;
+  every logged figure, val_bpb included, is the same."""
   one, many = tmp_path / "one", tmp_path / "many"
-  outs = finish(train(one, corpus_store, 1, devices, extra=extra) + train(many, corpus_store, processes, 1, extra=extra))
-  assert f"process 0 of {processes}: 1 local / {devices} global cpu devices" in outs[1]
+  outs = finish(train(one, corpus_store, 1, devices, extra=mesh)
+                + train(many, corpus_store, processes, devices // processes, extra=mesh))
+  assert f"process 0 of {processes}: {devices // processes} local / {devices} global cpu devices" in outs[1]
   assert_same_metrics(rows(one), rows(many))
   assert_same_params(one, many)

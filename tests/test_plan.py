@@ -75,6 +75,17 @@ def test_peak_is_the_sum_of_its_parts_and_grows_with_the_model(tiny_cfg):
   assert big["peak_bytes"] > small["peak_bytes"]
 
 
+def test_plan_of_two_slices_doubles_the_data_axis_and_reports_dcn_bytes():
+  """--slices 2 of cpu:2 (fake slices: runs of CPU devices): the per-slice mesh twice along data,
+  and the estimated bytes a device sends over DCN, a ring all-reduce of its gradient shard."""
+  code, out, log = run_plan("--topology", "cpu:2", "--slices", "2", *FSDP4)
+  assert code == 0, log
+  assert out["slices"] == 2 and out["devices"] == 4 and out["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+  [phase] = out["phases"]
+  assert phase["dcn_bytes"] == phase["params_bytes"]  # 2 (S - 1) / S = 1 at S = 2
+  assert "sent over DCN" in log
+
+
 def test_plan_exits_1_when_the_step_does_not_fit():
   code, out, log = run_plan("--topology", "cpu:4", *FSDP4, "--hbm_gib=0.0001")
   assert code == 1, log

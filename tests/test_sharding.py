@@ -86,3 +86,19 @@ def test_mesh_that_does_not_fit_devices_is_a_clear_error(tiny_cfg):
     mesh_shape(tiny_cfg.mesh, 8)
   tiny_cfg.mesh.fsdp = 2
   assert mesh_shape(tiny_cfg.mesh, 8) == (2, 2, 2)
+
+
+def test_slices_group_devices_by_tpu_slice_then_process_then_runs():
+  """mesh.slices: which devices form each slice (the data axis runs over slices, fsdp and tensor
+  stay inside one): TPU slices by slice_index, hosts by process (two per slice here), else runs."""
+  from types import SimpleNamespace as Device
+  from latent_jax.train.sharding import slice_groups
+  ids = lambda groups: [[d.id for d in g] for g in groups]
+  tpus = [Device(id=i, slice_index=i % 2, process_index=i // 2) for i in range(8)]
+  assert ids(slice_groups(tpus, 2)) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  hosts = [Device(id=i, process_index=i // 2) for i in range(8)]  # 4 processes of 2 GPUs
+  assert ids(slice_groups(hosts, 2)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  fake = [Device(id=i, process_index=0) for i in range(8)]
+  assert ids(slice_groups(fake, 4)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  with pytest.raises(ConfigError, match=r"mesh.slices=3 does not divide the 4 processes"):
+    slice_groups(hosts, 3)

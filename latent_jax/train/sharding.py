@@ -8,6 +8,7 @@ import math
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from latent_jax.config import ConfigError
@@ -48,10 +49,38 @@ def mesh_shape(mesh_cfg, num_devices):
 
 
 def make_mesh(mesh_cfg, devices=None):
+  """The (data, fsdp, tensor) mesh. With mesh.slices = S > 1 the sizes are those of one slice and
+  the data axis runs S times over them: slice s holds data rows s*data .. (s+1)*data - 1, so only
+  the data-parallel gradient reduction crosses slices (DCN); fsdp and tensor stay on ICI."""
   devices = jax.devices() if devices is None else devices
-  shape = mesh_shape(mesh_cfg, len(devices))
-  # Auto axes: Explicit axes (the make_mesh default) break the embedding gather.
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  slices = mesh_cfg.get("slices", 1)
+  if len(devices) % slices:
+    raise ConfigError(f"mesh.slices={slices} does not divide the {len(devices)} devices; use the number of slices "
+                      "the job runs on.")
+  shape = mesh_shape(mesh_cfg, len(devices) // slices)
+  axis_types = (AxisType.Auto,) * 3  # Explicit axes (the make_mesh default) break the embedding gather
+  if slices == 1:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+  # Each slice laid out by jax for its interconnect, the slices stacked along data.
+  grids = [mesh_utils.create_device_mesh(shape, group) for group in slice_groups(devices, slices)]
+  return jax.sharding.Mesh(np.concatenate(grids, axis=0), MESH_AXES, axis_types=axis_types)
+
+
+def slice_groups(devices, slices):
+  """The devices of each slice: TPU slices (slice_index), else runs of processes (hosts: GPU nodes,
+  or CPU hosts standing in for slices), else equal runs of devices (one process's fake devices,
+  for plans and tests)."""
+  for key in ("slice_index", "process_index"):
+    ids = sorted({getattr(d, key, 0) for d in devices})
+    if len(ids) == 1:
+      continue
+    if len(ids) % slices:
+      raise ConfigError(f"mesh.slices={slices} does not divide the {len(ids)} "
+                        f"{'TPU slices' if key == 'slice_index' else 'processes'} of the job; use a divisor of {len(ids)}.")
+    per = len(ids) // slices
+    return [[d for d in devices if ids.index(getattr(d, key, 0)) // per == s] for s in range(slices)]
+  size = len(devices) // slices
+  return [list(devices[i * size:(i + 1) * size]) for i in range(slices)]
 
 
 def logical_spec(axes, shape, mesh):
