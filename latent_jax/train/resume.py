@@ -27,7 +27,8 @@ REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.en
 TAKEN = ("model.remat", "model.scan_unroll", "model.dtype", "model.allow_bf16_params")
 DATA = ("data.", "train.seed")
 IGNORED = ("train.init_from",)  # a resumed run reads its own checkpoints, never its source
-DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all"}  # fields older checkpoints may lack
+DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all",  # fields older checkpoints may lack
+            "model.rope_scaling": "none"}
 
 
 def matches(field, names):
