@@ -1,4 +1,4 @@
-"""Config files (`get_config()` in a .py file), `a.b=v` overrides, and validation.
+"""Config files (`get_config()` in a .py file, or a saved config.json), `a.b=v` overrides, and validation.
 
 Validation runs before anything is traced or compiled, and every error names the field
 and what to do about it.
@@ -6,6 +6,7 @@ and what to do about it.
 import ast
 import importlib.util
 import inspect
+import json
 import os
 import re
 import sys
@@ -26,8 +27,15 @@ def load_config(path, overrides=()):
   """Load `get_config()` from the file at `path`, apply `a.b=v` overrides, validate.
 
   `path` may end in `:ARG` (as in configs/ncp_ladder.py:vanilla): the file's `get_config(ARG)`
-  then picks a variant.
+  then picks a variant. A `.json` file is a saved config, such as an export folder's config.json.
   """
+  if path.endswith(".json") and os.path.isfile(path):  # an export's config.json (python -m latent_jax.export)
+    with open(path) as f:
+      cfg = config_from_json(json.load(f))
+    for item in overrides:
+      apply_override(cfg, item)
+    validate(cfg)
+    return cfg
   arg = None
   if not os.path.isfile(path) and ":" in path:
     path, arg = path.rsplit(":", 1)
@@ -50,6 +58,14 @@ def load_config(path, overrides=()):
     apply_override(cfg, item)
   validate(cfg)
   return cfg
+
+
+def config_from_json(obj):
+  """The ConfigDict of a config saved as JSON (checkpoint metadata, an export's config.json)."""
+  model = obj.get("model", {})
+  if isinstance(model.get("remat"), bool):  # saved before model.remat named a policy
+    obj = {**obj, "model": {**model, "remat": "full" if model["remat"] else "none"}}
+  return ml_collections.ConfigDict(obj)
 
 
 def apply_override(cfg, item):

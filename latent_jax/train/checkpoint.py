@@ -19,7 +19,6 @@ import os
 import time
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 
 from latent_jax import paths
@@ -153,10 +152,3 @@ def has_checkpoints(workdir):
 
 def config_to_json(cfg):
   return json.loads(cfg.to_json_best_effort())
-
-
-def config_from_json(obj):
-  model = obj.get("model", {})
-  if isinstance(model.get("remat"), bool):  # saved before model.remat named a policy
-    obj = {**obj, "model": {**model, "remat": "full" if model["remat"] else "none"}}
-  return ml_collections.ConfigDict(obj)
