@@ -97,10 +97,7 @@ def import_hf(hf_dir, out, recipe, dtype=None):
       stacked = np.empty(shape.shape, shape.dtype)
       for name, _, layer, transposed, _ in (t for t in plan if t[1] == path):
         x = reader.read(name)
-        if layer is None:
-          stacked[...] = x.T if transposed else x
-        else:
-          stacked[layer] = x.T if transposed else x
+        (stacked if layer is None else stacked[layer])[...] = x.T if transposed else x
       with quiet_orbax():
         ocp.v1.partial.save(staging, nested(path, stacked))
       del stacked

@@ -55,7 +55,10 @@ class Reader:
   def __init__(self, folder):
     index = os.path.join(folder, INDEX)
     if os.path.isfile(index):
-      files = sorted(set(json.load(open(index))["weight_map"].values()))
+      try:
+        files = sorted(set(json.load(open(index))["weight_map"].values()))
+      except (json.JSONDecodeError, KeyError, AttributeError):
+        raise ValueError(f"{index} has no weight_map of tensor names to files; copy the checkpoint again.") from None
     elif os.path.isfile(os.path.join(folder, SINGLE)):
       files = [SINGLE]
     else:
