@@ -15,6 +15,14 @@ def get_config():
   c.model.head_dim = 32
   c.model.mlp_dim = 384                # SwiGLU hidden width
   c.model.rope_base = 500_000.0
+  # RoPE scaling of the full-attention layers (the sliding-window ones keep plain RoPE, as OLMo-3 does):
+  # none | yarn (YaRN, Peng et al. 2023: "NTK-by-parts" frequencies and a scale on cos and sin).
+  c.model.rope_scaling = "none"
+  c.model.yarn_factor = 8.0            # s: how many times the original context YaRN stretches to
+  c.model.yarn_original_context = 8192 # L: the context plain RoPE was trained at
+  c.model.yarn_beta_fast = 32.0        # pairs turning more than this many times over L keep their frequency
+  c.model.yarn_beta_slow = 1.0         # pairs turning fewer times are interpolated (frequency / s); a ramp between
+  c.model.yarn_attention_factor = 0.0  # scale on cos and sin (so 1/sqrt(t) on q and k); 0 = 0.1 ln(s) + 1
   c.model.norm_eps = 1e-6
   c.model.qk_norm = "layer"            # none | layer (OLMo-3: over the whole q/k projection) | head
   c.model.block_order = "post"         # post (OLMo-3: norm on each sublayer output) | pre

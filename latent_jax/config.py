@@ -1,4 +1,4 @@
-"""Config files (`get_config()` in a .py file), `a.b=v` overrides, and validation.
+"""Config files (`get_config()` in a .py file, or a saved config.json), `a.b=v` overrides, and validation.
 
 Validation runs before anything is traced or compiled, and every error names the field
 and what to do about it.
@@ -6,6 +6,7 @@ and what to do about it.
 import ast
 import importlib.util
 import inspect
+import json
 import os
 import re
 import sys
@@ -26,8 +27,15 @@ def load_config(path, overrides=()):
   """Load `get_config()` from the file at `path`, apply `a.b=v` overrides, validate.
 
   `path` may end in `:ARG` (as in configs/ncp_ladder.py:vanilla): the file's `get_config(ARG)`
-  then picks a variant.
+  then picks a variant. A `.json` file is a saved config, such as an export folder's config.json.
   """
+  if path.endswith(".json") and os.path.isfile(path):  # an export's config.json (python -m latent_jax.export)
+    with open(path) as f:
+      cfg = config_from_json(json.load(f))
+    for item in overrides:
+      apply_override(cfg, item)
+    validate(cfg)
+    return cfg
   arg = None
   if not os.path.isfile(path) and ":" in path:
     path, arg = path.rsplit(":", 1)
@@ -50,6 +58,14 @@ def load_config(path, overrides=()):
     apply_override(cfg, item)
   validate(cfg)
   return cfg
+
+
+def config_from_json(obj):
+  """The ConfigDict of a config saved as JSON (checkpoint metadata, an export's config.json)."""
+  model = obj.get("model", {})
+  if isinstance(model.get("remat"), bool):  # saved before model.remat named a policy
+    obj = {**obj, "model": {**model, "remat": "full" if model["remat"] else "none"}}
+  return ml_collections.ConfigDict(obj)
 
 
 def apply_override(cfg, item):
@@ -125,6 +141,7 @@ def validate(cfg):
   check(m.window >= 0, "model.window", "must be >= 0 (0 = no sliding window).")
   check(m.full_attention_every >= 1, "model.full_attention_every", "must be >= 1 (1 = every layer full).")
   check(m.rope_base > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_base/norm_eps/init_std", "must be > 0.")
+  validate_rope_scaling(m)
 
   check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}.")
   check(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}.")
@@ -284,6 +301,23 @@ def validate_aux(cfg):
     check(cfg.mtp.weight >= 0, "mtp.weight", f"the loss weight must be >= 0, got {cfg.mtp.weight}.")
     check(cfg.data.seq_len >= 3, "data.seq_len", f"{cfg.data.seq_len} is too short for MTP, which predicts "
           "token t+2; use at least 3.")
+
+
+def validate_rope_scaling(m):
+  """model.rope_scaling and, for YaRN, its fields (configs/tiny.py); configs saved before them mean "none"."""
+  check_choice(m.get("rope_scaling", "none"), "model.rope_scaling", ("none", "yarn"))
+  if m.get("rope_scaling", "none") != "yarn":
+    return
+  for f in ("yarn_factor", "yarn_original_context", "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor"):
+    check(f in m, f"model.{f}", "missing; model.rope_scaling='yarn' needs it, start from configs/tiny.py.")
+  check(m.yarn_factor >= 1, "model.yarn_factor", f"must be >= 1 (the context stretch), got {m.yarn_factor}.")
+  check(isinstance(m.yarn_original_context, int) and m.yarn_original_context > 0, "model.yarn_original_context",
+        f"must be a positive integer (tokens), got {m.yarn_original_context!r}.")
+  check(m.yarn_beta_fast > m.yarn_beta_slow > 0, "model.yarn_beta_fast/yarn_beta_slow",
+        f"need beta_fast > beta_slow > 0 (turns over the original context), got {m.yarn_beta_fast} and "
+        f"{m.yarn_beta_slow}; YaRN's are 32 and 1.")
+  check(m.yarn_attention_factor >= 0, "model.yarn_attention_factor",
+        f"must be >= 0 (0 = 0.1 ln(yarn_factor) + 1), got {m.yarn_attention_factor}.")
 
 
 NCP_FIELDS = ("encoder_layers", "concept_layers", "decoder_layers", "chunk_size", "num_segments", "codebook_size",

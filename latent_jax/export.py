@@ -5,7 +5,6 @@ dtype) to DIR2/params, with DIR2/config.json and DIR2/tokenizer.model (or .json)
 and eval load DIR2 like a workdir. Optimiser state and training-only parameters (the NITP projector,
 the MTP block) are left out, and the saved config has nitp/mtp disabled to match.
 """
-import json
 import os
 
 import jax
@@ -15,7 +14,6 @@ import orbax.checkpoint as ocp
 from latent_jax import cli, distributed, paths
 from latent_jax.config import DTYPES
 from latent_jax.infer import load
-from latent_jax.train import checkpoint
 
 
 def export(workdir, out, step=None, dtype=None):
@@ -37,14 +35,8 @@ def export(workdir, out, step=None, dtype=None):
   ckptr = ocp.StandardCheckpointer()  # every process saves its shards; Orbax writes each array once
   ckptr.save(paths.absolute(os.path.join(out, "params")), params)
   ckptr.wait_until_finished()
-  distributed.on_primary("export config", lambda: write_beside(out, cfg, tokenizer), OSError)
+  distributed.on_primary("export config", lambda: load.write_beside(out, cfg, tokenizer), OSError)
   return out
-
-
-def write_beside(out, cfg, tokenizer):
-  """config.json and the tokenizer file (tokenizer.model / .json) next to the params (process 0 only)."""
-  paths.path(os.path.join(out, "config.json")).write_text(json.dumps(checkpoint.config_to_json(cfg), indent=2))
-  paths.path(os.path.join(out, tokenizer.filename)).write_bytes(tokenizer.proto)
 
 
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir"),

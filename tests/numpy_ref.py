@@ -7,16 +7,32 @@ def rms_norm(x, scale, eps):
   return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * scale
 
 
-def rope(x, positions, base):
-  """Rotate each pair (x_i, x_{i+D/2}) by angle pos * base^(-2i/D)."""
+def rope(x, positions, base, frequencies=None, scale=1.0):
+  """Rotate each pair (x_i, x_{i+D/2}) by angle pos * theta_i, theta_i = base^(-2i/D) unless given,
+  and multiply by `scale`."""
   d = x.shape[-1]
   out = np.empty_like(x, dtype=np.float64)
   for i in range(d // 2):
-    theta = positions[..., None] * base ** (-2.0 * i / d)  # [B, T, 1]
+    theta = base ** (-2.0 * i / d) if frequencies is None else frequencies[i]
+    angle = positions[..., None] * theta  # [B, T, 1]
     a, b = x[..., i], x[..., i + d // 2]
-    out[..., i] = a * np.cos(theta) - b * np.sin(theta)
-    out[..., i + d // 2] = b * np.cos(theta) + a * np.sin(theta)
+    out[..., i] = scale * (a * np.cos(angle) - b * np.sin(angle))
+    out[..., i + d // 2] = scale * (b * np.cos(angle) + a * np.sin(angle))
   return out
+
+
+def yarn_frequencies(d, base, factor, original_context, beta_fast, beta_slow):
+  """YaRN (Peng et al. 2023) from its definitions: pair i has wavelength lambda_i = 2 pi / theta_i and
+  turns r_i = L / lambda_i times over the original context L; gamma = 0 below alpha = beta_slow turns,
+  1 above beta = beta_fast, linear in the pair index between the pairs where r crosses them (the
+  paper's code rounds those outwards); h(theta) = (1 - gamma) theta / s + gamma theta."""
+  i = np.arange(d // 2)
+  theta = base ** (-2.0 * i / d)
+  # log r is linear in the pair index: r(x) = L / (2 pi) * base^(-2x/d); solve r(x) = turns for x.
+  crossing = lambda turns: np.log(original_context / (2 * np.pi) / turns) / np.log(base) * d / 2
+  first, last = max(np.floor(crossing(beta_fast)), 0), min(np.ceil(crossing(beta_slow)), d - 1)
+  gamma = 1 - np.clip((i - first) / max(last - first, 1e-3), 0, 1)
+  return (1 - gamma) * theta / factor + gamma * theta
 
 
 def attention(q, k, v, positions, segments, window):

@@ -13,7 +13,7 @@ from conftest import ROOT, TINY, TINY_OVERRIDES
 from latent_jax import cli
 
 CLIS = ("latent_jax.train.__main__", "latent_jax.eval", "latent_jax.generate", "latent_jax.export",
-        "latent_jax.draft")
+        "latent_jax.draft", "latent_jax.convert")
 
 
 def listing(path):
@@ -58,6 +58,12 @@ def run_main(module, argv, capsys):
     ("latent_jax.export", ["--workdir", "{tmp}", "--out", "{tmp}/out", "--dtype=float16"], ["--dtype", "bfloat16"]),
     ("latent_jax.export", ["--workdir", "{tmp}", "--out", "{tmp}"], ["--out", "exists"]),
     ("latent_jax.draft", ["--workdir", "{tmp}/d"], ["--config"]),
+    ("latent_jax.convert", ["--out", "{tmp}/out"], ["--hf", "--workdir"]),
+    ("latent_jax.convert", ["--hf", "{tmp}", "--workdir", "{tmp}", "--out", "{tmp}/out"], ["--hf", "--workdir"]),
+    ("latent_jax.convert", ["--hf", "{tmp}", "--out", "{tmp}/out"], ["--hf needs --config"]),
+    ("latent_jax.convert", ["--hf", "{tmp}", "--config", TINY, "--out", "{tmp}/out"], ["--hf", "no config.json"]),
+    ("latent_jax.convert", ["--workdir", "{tmp}", "--out", "{tmp}"], ["--out", "exists"]),
+    ("latent_jax.convert", ["--workdir", "{tmp}", "--out", "{tmp}/out", "--dtype=int8"], ["--dtype", "bfloat16"]),
 ])
 def test_bad_flags(module, argv, names, tmp_path, capsys):
   before = listing(tmp_path)

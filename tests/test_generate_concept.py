@@ -20,13 +20,15 @@ SMALL = ["model.vocab_size=64", "model.d_model=16", "model.num_heads=2", "model.
          "model.num_segments=4", "model.codebook_size=8", "model.residual_hidden=4", "data.seq_len=16",
          "kernels.impl=xla"]
 # The paper's choices; the released code's (every switch flipped, k=3); and IRC off, one CRC route
-# off and no document masking, k=2. Between them every mixing, fusion and position mode.
+# off, no document masking and YaRN on the full-attention layers, k=2. Between them every mixing,
+# fusion and position mode.
 CONFIGS = {
     "paper": [],
     "released": ["model.chunk_size=3", "model.mixing=raw_logits", "model.fusion=norm_add",
                  "model.concept_positions=token", "model.concept_norm=True", "model.irc_softmax=True"],
     "plain": ["model.chunk_size=2", "model.irc=False", "model.crc_concept_decoder=False",
-              "model.document_mask=False", "model.concept_positions=token"],
+              "model.document_mask=False", "model.concept_positions=token", "model.rope_scaling=yarn",
+              "model.yarn_original_context=4"],
 }
 
 

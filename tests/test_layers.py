@@ -21,16 +21,37 @@ def test_rms_norm():
 def test_rope_matches_pairwise_rotation():
   x = rng.normal(size=(2, 7, 3, 8))
   pos = rng.integers(0, 1000, size=(2, 7))
-  got = T.rope(jnp.asarray(x, jnp.float32), jnp.asarray(pos), 500_000.0)
+  got = T.rope(jnp.asarray(x, jnp.float32), jnp.asarray(pos), T.rope_frequencies(8, 500_000.0))
   np.testing.assert_allclose(got, ref.rope(x, pos, 500_000.0), rtol=1e-4, atol=1e-4)
 
 
 def test_rope_is_relative():
   """<rope(q, m), rope(k, n)> depends only on m - n."""
   q, k = rng.normal(size=(1, 1, 1, 8)), rng.normal(size=(1, 1, 1, 8))
-  dot = lambda m, n: float(jnp.sum(T.rope(jnp.asarray(q, jnp.float32), jnp.array([[m]]), 10_000.0)
-                                   * T.rope(jnp.asarray(k, jnp.float32), jnp.array([[n]]), 10_000.0)))
-  assert dot(5, 2) == pytest.approx(dot(13, 10), rel=1e-4)
+  for freq in (T.rope_frequencies(8, 10_000.0), T.yarn_frequencies(8, 10_000.0, 4.0, 64, 32.0, 1.0)):
+    rot = lambda x, m: T.rope(jnp.asarray(x, jnp.float32), jnp.array([[m]]), freq, 1.2)
+    dot = lambda m, n: float(jnp.sum(rot(q, m) * rot(k, n)))
+    assert dot(5, 2) == pytest.approx(dot(13, 10), rel=1e-4)
+
+
+# (head dim, base, s, L, beta_fast, beta_slow): OLMo-3 7B's; small ones whose ramp ends clamp at 0
+# or whose ramp covers most pairs.
+@pytest.mark.parametrize("yarn", [(128, 500_000.0, 8.0, 8192, 32.0, 1.0), (8, 500_000.0, 4.0, 16, 32.0, 1.0),
+                                  (64, 10_000.0, 2.0, 4096, 16.0, 2.0), (16, 1e6, 16.0, 128, 64.0, 0.5)])
+def test_yarn_frequencies_match_numpy(yarn):
+  np.testing.assert_allclose(T.yarn_frequencies(*yarn), ref.yarn_frequencies(*yarn), rtol=1e-6)
+  np.testing.assert_allclose(T.rope_frequencies(*yarn[:2]), ref.yarn_frequencies(yarn[0], yarn[1], 1.0, *yarn[3:]),
+                             rtol=1e-6)  # s = 1: plain RoPE
+
+
+def test_yarn_of_olmo3_7b():
+  """The released OLMo-3 7B's YaRN (D=128, base 5e5, s=8, L=8192): r_i crosses 32 turns at pair 18.08
+  and 1 turn at 34.98, so pairs 0-18 keep theta_i, pairs 35-63 take theta_i / 8; the factor is 0.1 ln 8 + 1."""
+  got, theta = np.asarray(T.yarn_frequencies(128, 500_000.0, 8.0, 8192, 32.0, 1.0)), 500_000.0 ** (-np.arange(64) / 64)
+  np.testing.assert_allclose(got[:19], theta[:19], rtol=1e-6)
+  np.testing.assert_allclose(got[35:], theta[35:] / 8, rtol=1e-6)
+  assert np.all((got[19:35] < theta[19:35] * (1 - 1e-6)) & (got[19:35] > theta[19:35] / 8))
+  assert T.yarn_attention_factor(8.0) == pytest.approx(1.2079441541679836, rel=1e-15)
 
 
 @pytest.mark.parametrize("window", [3, T.NO_WINDOW])
@@ -66,7 +87,7 @@ def randomize(module, seed=1):
   return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
-def attention_ref(p, cfg, x, pos, seg, window):
+def attention_ref(p, cfg, x, pos, seg, window, frequencies=None, scale=1.0):
   h, k, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   b, t, _ = x.shape
   q, key, val = x @ p["q"], x @ p["k"], x @ p["v"]
@@ -75,7 +96,7 @@ def attention_ref(p, cfg, x, pos, seg, window):
   q, key, val = q.reshape(b, t, h, hd), key.reshape(b, t, k, hd), val.reshape(b, t, k, hd)
   if cfg.qk_norm == "head":
     q, key = ref.rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps), ref.rms_norm(key, p["k_norm"]["scale"], cfg.norm_eps)
-  q, key = ref.rope(q, pos, cfg.rope_base), ref.rope(key, pos, cfg.rope_base)
+  q, key = (ref.rope(a, pos, cfg.rope_base, frequencies, scale) for a in (q, key))
   return ref.attention(q, key, val, pos, seg, window).reshape(b, t, h * hd) @ p["o"]
 
 
@@ -89,6 +110,24 @@ def test_attention_layer_qk_norm_modes(tiny_cfg, qk_norm):
   got, _ = layer(jnp.asarray(x, jnp.float32), jnp.asarray(pos), jnp.asarray(seg), 4)
   p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer)))
   np.testing.assert_allclose(got, attention_ref(p, cfg, x, pos, seg, 4), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("window", [10, T.NO_WINDOW])
+def test_attention_yarn_on_full_attention_layers_only(tiny_cfg, window):
+  """model.rope_scaling=yarn: a full-attention layer (window NO_WINDOW) rotates by YaRN's frequencies
+  and scales cos and sin, a sliding-window one by plain RoPE's; the window arrives traced, as in the scan."""
+  cfg = tiny_cfg.model
+  cfg.update(rope_scaling="yarn", yarn_factor=4.0, yarn_original_context=16)
+  layer = randomize(Attention(cfg, nnx.Rngs(0)))
+  x = rng.normal(size=(2, 9, cfg.d_model))
+  pos, seg = np.tile(np.arange(0, 36, 4), (2, 1)), np.ones((2, 9), int)
+  got, _ = jax.jit(lambda w: layer(jnp.asarray(x, jnp.float32), jnp.asarray(pos), jnp.asarray(seg), w))(window)
+  p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(layer)))
+  yarn = (ref.yarn_frequencies(cfg.head_dim, cfg.rope_base, 4.0, 16, 32.0, 1.0), 0.1 * np.log(4.0) + 1)
+  want = attention_ref(p, cfg, x, pos, seg, window, *(yarn if window == T.NO_WINDOW else (None, 1.0)))
+  np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+  other = attention_ref(p, cfg, x, pos, seg, window, *((None, 1.0) if window == T.NO_WINDOW else yarn))
+  assert np.abs(other - want).max() > 1e-2  # the two RoPEs differ here
 
 
 @pytest.mark.parametrize("order", ["post", "pre"])

@@ -53,8 +53,10 @@ def test_documents_do_not_see_each_other(tiny_cfg):
   np.testing.assert_allclose(packed[0, 10:], alone[0], rtol=1e-5, atol=1e-5)
 
 
-def test_kv_cache_decoding_matches_full_forward(tiny_cfg):
+@pytest.mark.parametrize("rope_scaling", ["none", "yarn"])
+def test_kv_cache_decoding_matches_full_forward(tiny_cfg, rope_scaling):
   tiny_cfg.model.window = 5  # shorter than the sequence: the cache must honour the window
+  tiny_cfg.model.update(rope_scaling=rope_scaling, yarn_original_context=8)  # YaRN on the full layers
   model = make(tiny_cfg)
   cache = model.init_cache(2, 20)
   model = jitted(model)
@@ -101,6 +103,7 @@ def test_param_count_matches_formula(tiny_cfg):
     ("model.num_kv_heads", 3, "does not divide model.num_heads"),
     ("model.head_dim", 7, "odd"),
     ("model.qk_norm", "both", "not one of"),
+    ("model.rope_scaling", "ntk", "not one of"),
     ("model.name", "gpt", "not one of"),
     ("data.seq_len", 1, ">= 2"),
     ("optim.warmup_steps", 100, "train.steps"),

@@ -9,6 +9,7 @@ from flax import nnx
 
 from conftest import ROOT, TINY, TINY_OVERRIDES, ragged_batch
 from latent_jax import ConfigError, build_model, load_config
+from latent_jax.config import config_from_json
 from latent_jax import objectives
 from latent_jax.train import checkpoint, resume
 
@@ -56,7 +57,7 @@ def test_checkpoints_saved_with_a_bool_remat_still_load():
   saved = checkpoint.config_to_json(load_config(TINY))
   for old, policy in [(True, "full"), (False, "none")]:
     saved["model"]["remat"] = old
-    assert checkpoint.config_from_json(saved).model.remat == policy
+    assert config_from_json(saved).model.remat == policy
 
 
 def test_remat_and_microbatches_may_change_on_resume():

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from latent_jax import distributed, paths
+from latent_jax.config import config_from_json
 from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.train import checkpoint
 from latent_jax.train import step as steps
@@ -39,10 +40,10 @@ def load_config(directory, step=None):
   """(config, step) of a workdir's latest (or given) checkpoint, or of an export folder. A workdir's
   lost or damaged tokenizer file is restored from its checkpoints first (checkpoint.restore_tokenizer)."""
   if is_export(directory):
-    return checkpoint.config_from_json(json.loads(paths.path(os.path.join(directory, "config.json")).read_text())), None
+    return config_from_json(json.loads(paths.path(os.path.join(directory, "config.json")).read_text())), None
   manager, step = find_checkpoint(directory, step)
   checkpoint.restore_tokenizer(directory)
-  return checkpoint.config_from_json(manager.restore_meta(step)["config"]), step
+  return config_from_json(manager.restore_meta(step)["config"]), step
 
 
 def saved_params(directory, cfg, step=None, shardings=None):
@@ -124,6 +125,12 @@ def inference_config(cfg):
     if section in cfg:
       cfg[section].enabled = False
   return cfg
+
+
+def write_beside(out, cfg, tokenizer):
+  """An export folder's config.json and tokenizer file (tokenizer.model / .json), next to its params/."""
+  paths.path(os.path.join(out, "config.json")).write_text(json.dumps(checkpoint.config_to_json(cfg), indent=2))
+  paths.path(os.path.join(out, tokenizer.filename)).write_bytes(tokenizer.proto)
 
 
 def load_tokenizer(directory, cfg):

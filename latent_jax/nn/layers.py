@@ -77,6 +77,7 @@ class Attention(nnx.Module):
       self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps, pd), RMSNorm(hd, cfg.norm_eps, pd)
     self.shape = (h, k, hd)
     self.rope_base = cfg.rope_base
+    self.yarn = yarn_settings(cfg)
     self.dtype = jnp.dtype(cfg.dtype)
     self.attention_impl = "auto"
     self.windows = (T.NO_WINDOW,)
@@ -92,7 +93,8 @@ class Attention(nnx.Module):
     key, val = (constrain(a.reshape(b, t, k, hd), ("batch", "length", "kv_heads", "head_dim")) for a in (key, val))
     if self.qk_norm == "head":
       q, key = self.q_norm(q), self.k_norm(key)
-    q, key = T.rope(q, positions, self.rope_base), T.rope(key, positions, self.rope_base)
+    frequencies, scale = self.rotary(window)
+    q, key = T.rope(q, positions, frequencies, scale), T.rope(key, positions, frequencies, scale)
     if cache is None:
       out = A.attention(q, key, val, segment_ids, positions, window, self.attention_impl, windows=self.windows)
     else:  # decoding one document: write slots cache_index.., each with the position of its key
@@ -104,6 +106,29 @@ class Attention(nnx.Module):
       out = T.attention(q, key.astype(self.dtype), val.astype(self.dtype), mask)
     out = constrain(out.reshape(b, t, h * hd), ("batch", "length", "heads"))
     return T.linear(out, w(self.o)), cache
+
+
+  def rotary(self, window):
+    """(frequencies [D/2], scale) of this layer's RoPE: YaRN's on full-attention layers (window ==
+    NO_WINDOW) under model.rope_scaling="yarn", plain RoPE's elsewhere, as OLMo-3 does. `window` is
+    traced inside the layer scan, so both tables are built and one is picked per layer."""
+    plain = T.rope_frequencies(self.shape[2], self.rope_base)
+    if self.yarn is None:
+      return plain, 1.0
+    factor, original_context, beta_fast, beta_slow, attention_factor = self.yarn
+    full = window >= T.NO_WINDOW
+    yarn = T.yarn_frequencies(self.shape[2], self.rope_base, factor, original_context, beta_fast, beta_slow)
+    return jnp.where(full, yarn, plain), jnp.where(full, attention_factor, 1.0)
+
+
+def yarn_settings(cfg):
+  """(factor, original context, beta_fast, beta_slow, attention factor) of model.rope_scaling="yarn", else
+  None; model.yarn_attention_factor=0 takes YaRN's 0.1 ln(factor) + 1."""
+  if cfg.get("rope_scaling", "none") != "yarn":  # configs saved before the field: plain RoPE
+    return None
+  factor = cfg.yarn_factor
+  return (factor, cfg.yarn_original_context, cfg.yarn_beta_fast, cfg.yarn_beta_slow,
+          cfg.yarn_attention_factor or T.yarn_attention_factor(factor))
 
 
 class MLP(nnx.Module):

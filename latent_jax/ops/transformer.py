@@ -3,6 +3,8 @@
 Shapes: B batch, T query positions, S key positions, H query heads, K key/value groups,
 D head dim. Everything here is a function of arrays only; `latent_jax.nn` holds parameters.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -16,13 +18,37 @@ def rms_norm(x, scale, eps):
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, positions, base):
-  """Rotary position embedding (rotate-half form) of x [B, T, H, D] at positions [B, T]."""
-  d = x.shape[-1]
-  inv_freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)      # [D/2]
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq           # [B, T, D/2]
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
+def rope_frequencies(d, base):
+  """RoPE's rotation frequencies theta_i = base^(-2i/d) of the d/2 pairs (RoFormer Eq. 15) -> [d/2]."""
+  return base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+
+
+def yarn_frequencies(d, base, factor, original_context, beta_fast, beta_slow):
+  """YaRN's "NTK-by-parts" frequencies h(theta_i) (Peng et al. 2023, YaRN, Sec. 3.2) -> [d/2].
+
+  Pair i turns r_i = L theta_i / (2 pi) times over the original context L. Pairs with r_i > beta_fast
+  keep theta_i, pairs with r_i < beta_slow are interpolated to theta_i / factor, and the ramp
+  gamma between them is linear in i; its ends, the i where r_i equals beta_fast and beta_slow,
+  are rounded outwards (floor, ceil) as in the paper's code.
+  """
+  theta = rope_frequencies(d, base)
+  pair_at = lambda turns: d * math.log(original_context / (2 * math.pi * turns)) / (2 * math.log(base))  # r_i = turns
+  low, high = max(math.floor(pair_at(beta_fast)), 0), min(math.ceil(pair_at(beta_slow)), d - 1)
+  interpolated = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / max(high - low, 1e-3), 0, 1)  # 1 - gamma
+  return theta * (1 - interpolated) + theta / factor * interpolated
+
+
+def yarn_attention_factor(factor):
+  """YaRN's scale on cos and sin, sqrt(1/t) = 0.1 ln(s) + 1 (YaRN, Sec. 3.4); logits grow by its square."""
+  return 0.1 * math.log(factor) + 1.0
+
+
+def rope(x, positions, frequencies, scale=1.0):
+  """Rotary position embedding (rotate-half form) of x [B, T, H, D] at positions [B, T]: pair (x_i,
+  x_{i+D/2}) turns by positions * frequencies[i] and is multiplied by `scale` (YaRN's attention factor)."""
+  angles = positions.astype(jnp.float32)[..., None] * frequencies       # [B, T, D/2]
+  cos = (jnp.cos(angles) * scale)[:, :, None, :]
+  sin = (jnp.sin(angles) * scale)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)

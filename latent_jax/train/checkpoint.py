@@ -24,7 +24,6 @@ import os
 import time
 
 import jax
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -222,17 +221,10 @@ def restore_tokenizer(workdir, log=print):
       paths.write_atomic(path, lambda f: f.write(proto))
       log(f"warning: {path} {why}; restored it from {saved.path(step)}, which holds the run's tokenizer")
 
-    distributed.on_primary(put_back, OSError)
+    distributed.on_primary("restore tokenizer", put_back, OSError)
     return path
   return None
 
 
 def config_to_json(cfg):
   return json.loads(cfg.to_json_best_effort())
-
-
-def config_from_json(obj):
-  model = obj.get("model", {})
-  if isinstance(model.get("remat"), bool):  # saved before model.remat named a policy
-    obj = {**obj, "model": {**model, "remat": "full" if model["remat"] else "none"}}
-  return ml_collections.ConfigDict(obj)

@@ -28,7 +28,8 @@ TAKEN = ("model.remat", "model.scan_unroll", "model.dtype", "model.allow_bf16_pa
 DATA = ("data.", "train.seed")
 DATA_TAKEN = ("data.max_text_gib",)  # a guard on reading text, not the data: the batches stay the same
 IGNORED = ("train.init_from",)  # a resumed run reads its own checkpoints, never its source
-DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all"}  # fields older checkpoints may lack
+DEFAULTS = {"optim.name": "adamw", "optim.trainable": "all",  # fields older checkpoints may lack
+            "model.rope_scaling": "none"}
 
 
 def matches(field, names):
