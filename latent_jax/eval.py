@@ -20,18 +20,20 @@ from latent_jax.train import step as steps
 
 def evaluate_dir(directory, step=None, max_batches=None):
   """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all."""
-  cfg, step = load.load_config(directory, step)
+  def read(step):  # the checkpoint first: a training may remove it while the data is built
+    cfg, step = load.load_config(directory, step)
+    # Evaluation runs data-parallel on the devices here, whatever mesh trained the checkpoint.
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1
+    mesh = sharding.make_mesh(cfg.mesh)
+    _, abstract = steps.abstract_model(cfg.model)
+    param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+    return cfg, step, mesh, param_shardings, load.load_params(directory, cfg, step, load.by_path(param_shardings))
+  cfg, step, mesh, param_shardings, (graphdef, params) = load.read_newest(directory, step, read)
   data = build_data(cfg, directory)
   max_batches = cfg.train.eval_batches if max_batches is None else max_batches
   split_batches = val_batch_count(len(data.val_tokens), cfg.data.seq_len, cfg.data.batch_size)
-  # Evaluation runs data-parallel on the devices here, whatever mesh trained the checkpoint.
-  cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1
-  mesh = sharding.make_mesh(cfg.mesh)
   batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
                              sharding.process_rows(cfg.data.batch_size, mesh))
-  _, abstract = steps.abstract_model(cfg.model)
-  param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
-  graphdef, params = load.load_params(directory, cfg, step, load.by_path(param_shardings))
   eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh, data.tokenizer.token_bytes)
   result = steps.evaluate(eval_step, params, batches, mesh, cfg.data.batch_size)
   tokens = result.pop("val_tokens")

@@ -23,8 +23,10 @@ def export(workdir, out, step=None, dtype=None):
     raise FileExistsError(f"--out {out!r} exists; choose a new folder (export never overwrites).")
   cli.writable_dir(out, "--out")
   distributed.barrier("export: --out checked")  # before process 0 creates it
-  cfg, step = load.load_config(workdir, step)
-  _, params = load.load_params(workdir, cfg, step)  # the inference model's params only
+  def read(step):
+    cfg, step = load.load_config(workdir, step)
+    return cfg, load.load_params(workdir, cfg, step)[1]  # the inference model's params only
+  cfg, params = load.read_newest(workdir, step, read)
   cfg = load.inference_config(cfg)
   dtype = dtype or cfg.model.dtype
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)

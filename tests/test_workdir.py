@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -230,6 +231,42 @@ def test_non_finite_state_is_never_saved(tmp_path, corpus_dir):
   assert step == 4 and all(np.isfinite(np.asarray(p)).all() for p in params)
 
 
+def test_a_reader_whose_newest_step_is_removed_reads_the_next(tmp_path, finished_run):
+  """As a training saving meanwhile would do it: the reader chooses step 4, the newest, then step 6
+  is committed and 4 removed, its array files first, while 4 is being read. The reader reads 6,
+  with the params of the finished run. A step given by number, or damage to the newest one, is
+  read once and its error raised."""
+  from latent_jax.infer import load
+  source, want = finished_run
+  run, later = tmp_path / "run", tmp_path / "6"
+  shutil.copytree(source, run)
+  shutil.move(run / "checkpoints" / "6", later)
+  chosen = []
+
+  def read(step):
+    chosen.append(step)
+    if later.exists():
+      shutil.move(later, run / "checkpoints" / "6")
+      shutil.rmtree(run / "checkpoints" / "4" / "params" / "ocdbt.process_0")
+    cfg, step = load.load_config(str(run), step)
+    return step, jax.tree.leaves(load.load_params(str(run), cfg, step)[1])
+
+  step, got = load.read_newest(str(run), None, read)
+  assert chosen == [4, 6] and step == 6
+  for x, y in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  chosen.clear()
+  shutil.rmtree(run / "checkpoints" / "4")  # the training has finished removing it
+  with pytest.raises(FileNotFoundError, match="no checkpoint at step 4"):
+    load.read_newest(str(run), 4, read)
+  assert chosen == [4]
+  chosen.clear()
+  truncate_largest(str(run / "checkpoints" / "6" / "params"))
+  with pytest.raises(Exception) as damage:
+    load.read_newest(str(run), None, read)
+  assert chosen == [6] and "removed" not in str(damage.value)  # Orbax's error as it is
+
+
 def test_readers_never_disturb_a_training(tmp_path, corpus_dir):
   """eval, generate and export read a workdir over and over while it trains and saves (in this
   process, for many reads, and through each CLI); the training finishes and equals an undisturbed one."""
@@ -247,19 +284,17 @@ def test_readers_never_disturb_a_training(tmp_path, corpus_dir):
   commands = [cli("latent_jax.eval", "--workdir", str(run), "--batches=1"),
               cli("latent_jax.generate", "--workdir", str(run), "--max_new_tokens=2", "--temperature=0"),
               cli("latent_jax.export", "--workdir", str(run), "--out", str(tmp_path / "export_cli"))]
-  clis = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for c in commands]
+  clis = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
   reads, k = 0, 0
-  while proc.poll() is None:
+  while proc.poll() is None:  # every read succeeds: one whose step is removed meanwhile reads the newest
     k += 1
-    try:  # a reader may lose a race with the training's removal of an old step; the training never does
-      [lambda: evaluate_dir(str(run), max_batches=1), lambda: load_model(str(run)),
-       lambda: export(str(run), str(tmp_path / f"export{k}"))][k % 3]()
-      reads += 1
-    except (FileNotFoundError, ValueError):
-      pass
+    [lambda: evaluate_dir(str(run), max_batches=1), lambda: load_model(str(run)),
+     lambda: export(str(run), str(tmp_path / f"export{k}"))][k % 3]()
+    reads += 1
   out = proc.communicate()[0]
   for c in clis:
-    c.wait()
+    cli_out = c.communicate()[0]
+    assert c.returncode == 0, cli_out
   assert proc.returncode == 0 and "done at step 60/60" in out, out
   assert reads >= 5, reads
   (_, want), (_, got) = final_params(straight), final_params(run)

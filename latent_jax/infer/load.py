@@ -18,6 +18,8 @@ from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.train import checkpoint
 from latent_jax.train import step as steps
 
+READ_ATTEMPTS = 10  # reads of a newest step that a training removed meanwhile, before giving up
+
 
 def is_export(directory):
   return paths.path(os.path.join(directory, "config.json")).is_file() and paths.path(os.path.join(directory, "params")).is_dir()
@@ -34,6 +36,32 @@ def find_checkpoint(directory, step=None):
                             f"train first (python -m latent_jax.train ... --workdir {directory}).")
   step, manager = max(found, key=lambda x: x[0])
   return manager, step
+
+
+def read_newest(directory, step, read):
+  """read(step) for the given step, or, when `step` is None, for the workdir's newest checkpoint.
+
+  A training saving into the workdir meanwhile removes its older steps (train.keep_checkpoints),
+  maybe the one being read; what that raises depends on which file went first (KeyError,
+  FileNotFoundError, ValueError or a bare Exception from Orbax). So a failed read is judged by the
+  listing, not by its type: when the newest step has changed since it was chosen, the newest is read instead; a
+  step that is still the newest failed for another reason (damage), raised as it is. A step given
+  by number, an export folder and a multi-host reader (whose processes would each choose their own
+  step) read once.
+  """
+  if step is not None or is_export(directory) or jax.process_count() > 1:
+    return read(step)
+  for _ in range(READ_ATTEMPTS):
+    _, chosen = find_checkpoint(directory)
+    try:
+      return read(chosen)
+    except Exception as e:  # pylint: disable=broad-except  # judged by the listing below, else raised
+      if find_checkpoint(directory)[1] == chosen:
+        raise
+      last = f"{type(e).__name__}: {e}"
+  raise FileNotFoundError(f"--workdir {directory!r}: the training saving there removed the newest checkpoint while "
+                          f"it was being read, {READ_ATTEMPTS} times in a row (last: {last[:300]}); read it once the "
+                          "training has finished, or train with a larger train.keep_checkpoints.")
 
 
 def load_config(directory, step=None):
@@ -73,14 +101,15 @@ def load_params(directory, cfg, step=None, shardings=None):
   return graphdef, keep_like(params, nnx.to_pure_dict(abstract))
 
 
-def check_init_from(directory, cfg, params):
-  """(source config, step) of train.init_from = `directory`, once every parameter of `params`
-  (this run's, arrays or abstract) is known to be there with its shape: anything but a
-  training-only head (NITP, MTP) that the source lacks means the models differ, an error."""
+def check_init_from(directory, cfg, params, step=None):
+  """(source config, step) of train.init_from = `directory` (its newest checkpoint, or `step`),
+  once every parameter of `params` (this run's, arrays or abstract) is known to be there with its
+  shape: anything but a training-only head (NITP, MTP) that the source lacks means the models
+  differ, an error."""
   if not (is_export(directory) or any(paths.path(os.path.join(directory, sub)).is_dir() for sub in ("checkpoints", "phase1"))):
     raise FileNotFoundError(f"train.init_from: {directory!r} is neither a training workdir with checkpoints nor "
                             "an export folder; give a run's --workdir or a `python -m latent_jax.export` folder.")
-  source_cfg, step = load_config(directory)
+  source_cfg, step = load_config(directory, step)
   source = by_path(nnx.to_pure_dict(steps.abstract_model(source_cfg)[1]))
   inference = by_path(nnx.to_pure_dict(steps.abstract_model(cfg.model)[1]))
   for name, x in by_path(params).items():
@@ -97,9 +126,12 @@ def initial_params(directory, cfg, fresh):
   """The params a run starts from with train.init_from = `directory`: each of `fresh` (this run's
   initialised params) replaced by the source's, in fresh's dtype and sharding, except
   training-only heads the source was trained without, which keep their fresh init."""
-  source_cfg, step = check_init_from(directory, cfg, fresh)
   placed = {name: x.sharding for name, x in by_path(fresh).items()}
-  source = by_path(saved_params(directory, source_cfg, step, placed))
+
+  def read(step):  # the source may be a run still training
+    source_cfg, step = check_init_from(directory, cfg, fresh, step)
+    return by_path(saved_params(directory, source_cfg, step, placed))
+  source = read_newest(directory, None, read)
   return jax.tree_util.tree_map_with_path(
       lambda p, x: source[path_name(p)].astype(x.dtype) if path_name(p) in source else x, fresh)
 
@@ -142,7 +174,9 @@ def load_tokenizer(directory, cfg):
 
 
 def load_model(directory, step=None):
-  """(model, config, tokenizer) from a workdir or an export folder."""
-  cfg, step = load_config(directory, step)
-  graphdef, params = load_params(directory, cfg, step)
+  """(model, config, tokenizer) from a workdir (its newest checkpoint, or `step`) or an export folder."""
+  def read(step):
+    cfg, step = load_config(directory, step)
+    return cfg, load_params(directory, cfg, step)
+  cfg, (graphdef, params) = read_newest(directory, step, read)
   return nnx.merge(graphdef, params), cfg, load_tokenizer(directory, cfg)
