@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import os, re
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
@@ -59,6 +61,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_no_activation_holds_the_global_batch():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=900, cwd=root)

@@ -55,6 +55,7 @@ def small_state(trainable, name="adamw"):
   return cfg, graphdef, tx, shardings, mesh, state, sharding.global_batch(batch, mesh)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_vq_adaptation_moves_only_the_codebook_and_heads():
   """With Muon (the paper's optimiser): three groups, Muon for heads, AdamW for the codebook and
   head norm, nothing for the rest."""
@@ -122,6 +123,7 @@ def run_overrides(corpus_dir, *extra):
   return NCP + [f"data.source={corpus_dir}", "train.steps=2", "train.eval_every=0", "optim.warmup_steps=1", *extra]
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_init_from_starts_from_the_source_and_keeps_its_tokenizer(tmp_path, corpus_dir, ncp_source):
   """A VQ adaptation of the source run on the same corpus: every frozen parameter ends equal to
   the source's final one, the trained ones differ, and the token ids are the source's."""
@@ -141,6 +143,7 @@ def test_init_from_starts_from_the_source_and_keeps_its_tokenizer(tmp_path, corp
       np.testing.assert_array_equal(src[name], ada[name], err_msg=name)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_init_from_errors_before_anything_compiles(tmp_path, corpus_dir, ncp_source):
   def start(config, *extra):
     workdir = tmp_path / str(len(os.listdir(tmp_path)))
@@ -158,6 +161,7 @@ def test_init_from_errors_before_anything_compiles(tmp_path, corpus_dir, ncp_sou
   assert not any((tmp_path / d / "checkpoints").exists() for d in os.listdir(tmp_path))  # refused up front
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_resume_ignores_a_missing_source_and_refuses_another_trainable(tmp_path, corpus_dir, ncp_source):
   """A resumed adaptation reads its own checkpoints, even when the source is gone; resuming with
   another optim.trainable (another optimiser state) is refused, naming both values."""

@@ -362,6 +362,7 @@ def concept_aux():
   return cfg, params, batch, run(params, plain_params, batch)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_concept_lm_train_step_with_nitp_and_mtp(concept_aux):
   """One gradient step of ncp_objective with both terms: every term logged, the total their
   weighted sum, gradients finite and reaching both heads."""
@@ -375,6 +376,7 @@ def test_concept_lm_train_step_with_nitp_and_mtp(concept_aux):
   assert all(np.any(g) for g in jax.tree.leaves({k: grads[k] for k in ("nitp_projector", "mtp")}))
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_concept_lm_nitp_target_is_encoder_layer_k(concept_aux):
   """The target is the output of encoder layer k (k = 2 and k = 1 of E = 2; with IRC the block's
   output, before the mixture), re-derived in NumPy from the embeddings; the objective's NITP loss is
@@ -394,6 +396,7 @@ def test_concept_lm_nitp_target_is_encoder_layer_k(concept_aux):
   assert abs(float(metrics["nitp_loss"]) - float(got["nitp1"])) > 1e-3
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_concept_lm_loss_is_unchanged_by_the_aux_terms(concept_aux):
   """ConceptLM at equal params (the fixture checks the init too): `loss` is NTP alone."""
   _, _, _, ((metrics, _), _, plain) = concept_aux

@@ -291,6 +291,7 @@ def test_a_baseline_target_has_no_concept_signal(tiny_cfg):
       speculative_generate(target, drafter, prompt, new)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_draft_command_trains_measures_saves_and_loads(tmp_path, corpus_dir, capsys):
   """python -m latent_jax.draft on a trained ConceptLM: the result file, a saved drafter that loads
   and decodes like the one measured, and a second run that refuses to overwrite it."""

@@ -18,7 +18,7 @@ def loss_and_grads(cfg, impl, batch):
   return float(total), grads
 
 
-@pytest.mark.parametrize("config", ["tiny.py", "tiny_ncp.py"])
+@pytest.mark.parametrize("config", ["tiny.py", pytest.param("tiny_ncp.py", marks=pytest.mark.slow)])  # slow: by time
 def test_train_loss_and_grads_agree_across_impls(config):
   cfg = load_config(f"{ROOT}/configs/{config}", [o for o in TINY_OVERRIDES if not o.startswith("kernels")])
   rng = np.random.default_rng(0)

@@ -91,6 +91,7 @@ def corpus_store(tmp_path_factory, corpus_dir):
   return str(out)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_two_processes_prepare_then_train_resume_across_process_counts_and_export(tmp_path, corpus_dir):
   # Both processes run prepare: process 0 writes the store, process 1 waits for it, then sees it.
   store = tmp_path / "store"
@@ -136,6 +137,7 @@ def test_two_processes_prepare_then_train_resume_across_process_counts_and_expor
   finish(launch("latent_jax.generate", 1, 1, "--workdir", str(out), "--max_new_tokens=4", "--temperature=0"))
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus_store):
   steps = ["train.steps=100", "train.checkpoint_every=1000", "train.eval_every=0"]
   reference = train(tmp_path / "reference", corpus_store, 1, extra=steps)
@@ -158,10 +160,10 @@ def test_sigterm_to_one_host_stops_every_host_at_one_saved_step(tmp_path, corpus
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow  # 140 s of the CI budget; the multi-host path is model-agnostic and the baseline tests above run in CI
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 @pytest.mark.parametrize("config", ["tiny_ncp.py", "tiny_tst.py"])
 def test_concept_lm_and_tst_phase_switch_on_two_processes(tmp_path, corpus_store, config):
-  """ConceptLM, and TST across its phase switch, train on 2 processes as on 1 (python -m pytest -m slow)."""
+  """ConceptLM, and TST across its phase switch, train on 2 processes as on 1."""
   extra = ["tst.r=0.5"] if "tst" in config else []
   config = os.path.join(ROOT, "configs", config)
   finish(train(tmp_path / "one", corpus_store, 1, config=config, extra=extra)

@@ -211,6 +211,7 @@ def test_resume_takes_changed_data_when_told_and_prints_other_changes(tmp_path, 
   assert "resumed from" in out.stdout and "done at step 8/8" in out.stdout
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_non_finite_state_is_never_saved(tmp_path, corpus_dir):
   """lr=1e39: the loss at step 1 is finite, the parameters after it are not; nothing non-finite is
   saved, and the checkpoint named as the last good one holds finite parameters."""
@@ -231,6 +232,7 @@ def test_non_finite_state_is_never_saved(tmp_path, corpus_dir):
   assert step == 4 and all(np.isfinite(np.asarray(p)).all() for p in params)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax drops a failed read's other shard reads
 def test_a_reader_whose_newest_step_is_removed_reads_the_next(tmp_path, finished_run):
   """As a training saving meanwhile would do it: the reader chooses step 4, the newest, then step 6
   is committed and 4 removed, its array files first, while 4 is being read. The reader reads 6,
@@ -267,6 +269,8 @@ def test_a_reader_whose_newest_step_is_removed_reads_the_next(tmp_path, finished
   assert chosen == [6] and "removed" not in str(damage.value)  # Orbax's error as it is
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax drops a failed read's other shard reads
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_readers_never_disturb_a_training(tmp_path, corpus_dir):
   """eval, generate and export read a workdir over and over while it trains and saves (in this
   process, for many reads, and through each CLI); the training finishes and equals an undisturbed one."""
