@@ -298,6 +298,7 @@ def test_ablation_switches_reach_the_loss(aux_model, aux_ref):
 
 
 # ------------------------------------------------------------------ training, export, ConceptLM
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_export_drops_the_heads_and_generates_the_same(tmp_path, corpus_dir):
   from latent_jax.export import export
   from latent_jax.infer import load

@@ -122,6 +122,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_sharded_microbatches_equal_one_device():
   """k = 2 microbatches on a (data 2, fsdp 2) mesh of 4 fake CPU devices against one device, k = 1."""
   result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=600, cwd=ROOT)

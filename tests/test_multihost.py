@@ -176,6 +176,7 @@ def test_concept_lm_and_tst_phase_switch_on_two_processes(tmp_path, corpus_store
     assert {r.get("phase") for r in b} == {1, 2}
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_distributed_flags_that_disagree_are_clear_errors(tmp_path):
   base = [sys.executable, "-m", "latent_jax.train", "--config", TINY, "--workdir", str(tmp_path / "w")]
   slurm = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",

@@ -55,6 +55,7 @@ def test_plan_on_four_cpu_devices_matches_the_model(tiny_cfg):
   assert phase["flops"] > 0 and phase["model_flops"] > 0
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_peak_is_the_sum_of_its_parts_and_grows_with_the_model(tiny_cfg):
   """For two widths: the reported peak is the step's held bytes (params, optimiser state, batch)
   plus its temporaries, with only the step's small outputs and code besides; every part grows."""
@@ -75,6 +76,7 @@ def test_peak_is_the_sum_of_its_parts_and_grows_with_the_model(tiny_cfg):
   assert big["peak_bytes"] > small["peak_bytes"]
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_plan_of_two_slices_doubles_the_data_axis_and_reports_dcn_bytes():
   """--slices 2 of cpu:2 (fake slices: runs of CPU devices): the per-slice mesh twice along data,
   and the estimated bytes a device sends over DCN, a ring all-reduce of its gradient shard."""

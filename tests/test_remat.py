@@ -30,7 +30,7 @@ def loss_grads_and_memory(path, overrides, policy, batch):
   return jax.device_get(compiled(params)), compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [c if c == "baseline" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])  # slow: by time
 def test_policies_give_the_same_gradients_and_keep_less(case):
   batch = ragged_batch(4, 32, 320, seed=1)
   got = {p: loss_grads_and_memory(*CASES[case], p, batch) for p in ("none", "full", "matmuls")}

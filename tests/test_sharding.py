@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])  # slow: by time
 def test_sharded_train_steps_equal_single_device(optimizer):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-c", SCRIPT, os.path.join(root, "configs", "tiny.py"), optimizer],

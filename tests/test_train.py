@@ -47,6 +47,7 @@ def wait_for_step(workdir, proc, step, checkpoint=None, timeout=300):
   raise AssertionError("timed out waiting for training")
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, corpus_dir):
   steps = ["--config.train.steps=8", "--config.train.checkpoint_every=3"]
   straight = tmp_path / "straight"
@@ -73,6 +74,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path, corpus_dir):
   assert [r["step"] for r in rows] == list(range(1, 9))  # rows after the restored step were replaced
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_dir):
   proc = subprocess.Popen(train_cmd(tmp_path, corpus_dir, "--config.train.steps=100000",
                                     "--config.train.checkpoint_every=1000"),
@@ -85,6 +87,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_dir):
   assert 2 <= step < 100000 and f"stopped at step {step}" in out
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_generate_eval_export_cli(tmp_path, corpus_dir):
   run = tmp_path / "run"
   subprocess.run(train_cmd(run, corpus_dir), check=True, cwd=ROOT, capture_output=True)

@@ -419,6 +419,7 @@ def test_killed_in_phase1_resumes_bitwise(straight, tmp_path, corpus_dir, compil
   assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_budget_tokens_with_carry_params(tmp_path, corpus_dir, compile_cache):
   """Patch-Level Training's setup end to end: phase 1 reads plain rows (8 bags of 4 tokens)
   at about 1/4 of phase 2's FLOPs; phase 2 starts from phase 1's params with a fresh optimiser
