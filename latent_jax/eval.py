@@ -22,9 +22,7 @@ def evaluate_dir(directory, step=None, max_batches=None):
   """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all."""
   def read(step):  # the checkpoint first: a training may remove it while the data is built
     cfg, step = load.load_config(directory, step)
-    # Evaluation runs data-parallel on the devices here, whatever mesh trained the checkpoint.
-    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1
-    mesh = sharding.make_mesh(cfg.mesh)
+    mesh = sharding.inference_mesh(cfg.mesh)  # the training's layout, where the devices here allow it
     _, abstract = steps.abstract_model(cfg.model)
     param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
     return cfg, step, mesh, param_shardings, load.load_params(directory, cfg, step, load.by_path(param_shardings))

@@ -5,8 +5,11 @@ Lowers and compiles the config's real train step ahead of time for TOPO, on abst
 temporaries, the peak (arguments, outputs not written over the donated state, temporaries and
 code), the device's memory and whether the peak fits, the step's FLOPs and the compile time.
 XLA:TPU refuses to compile a step whose temporaries exceed the chip; plan then reports the
-temporaries its message gives. A TST config plans each phase. The last line is one JSON
-object; the exit code is 0 when every phase fits, 1 when one does not.
+temporaries its message gives. A TST config plans each phase. Then the same for the steps that
+read the trained model on those devices, laid out as the training lays it out: the eval step
+and one generation step (a token for each of data.batch_size rows, against a KV cache of
+data.seq_len slots). The last line is one JSON object; the exit code is 0 when every train phase
+fits, 1 when one does not.
 
 TOPO is one of
   local          this process's devices (the default)
@@ -28,10 +31,13 @@ import re
 import time
 
 import jax
+import numpy as np
+from flax import nnx
 
 import pallas_kernels
 from latent_jax import cli, distributed
 from latent_jax.config import load_config, validate
+from latent_jax.infer.sample import cache_shardings, make_decode_step
 from latent_jax.train import phases, sharding
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
@@ -180,35 +186,77 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None):
     batch = steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)
     result = {"phase": phase.number, "seq_len": phase.seq_len, "params_bytes": bytes_per_device(state["params"]),
               "opt_state_bytes": bytes_per_device(state["opt_state"]), "batch_bytes": bytes_per_device(batch)}
-    start = time.perf_counter()
-    with pallas_kernels.target_backend(devices[0].platform):  # kernels.impl=auto picks for TOPO's devices
-      lowered = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(state, batch)
-    try:
-      compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-      refused = REFUSED.search(str(e))
-      if not refused:
-        raise
-      compiled = None
-    result["compile_s"] = round(time.perf_counter() - start, 1)
-    if compiled:
-      analysis = compiled.memory_analysis()
-      memory = {k: getattr(analysis, f"{k}_size_in_bytes") for k in MEMORY_FIELDS}
-      result.update(compiled=True, temp_bytes=memory["temp"], peak_bytes=peak_bytes(memory),
-                    xla_peak_bytes=analysis.peak_memory_in_bytes, flops=compiled.cost_analysis()["flops"])
-    else:  # the outputs overwrite the donated state: the peak is what the step is given plus its temporaries
-      temp = round(float(refused.group(1)) * GIB)
-      result.update(compiled=False, temp_bytes=temp, peak_bytes=temp + result["params_bytes"]
-                    + result["opt_state_bytes"] + result["batch_bytes"], xla_peak_bytes=None, flops=None)
+    result.update(compile_step(lambda: steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective)
+                               .lower(state, batch), devices[0].platform))
+    if result["temp_bytes"] is not None and not result["compiled"]:  # the outputs overwrite the donated state
+      result["peak_bytes"] = result["temp_bytes"] + result["params_bytes"] + result["opt_state_bytes"] \
+          + result["batch_bytes"]
     result["model_flops"] = phase.flops_per_step / len(devices)
     if slices > 1:  # a ring all-reduce of each chip's gradient shard (its parameters' size) over the slices
       result["dcn_bytes"] = round(2 * (slices - 1) / slices * result["params_bytes"])
     results.append(result)
     print(report(result, hbm))
+  reading = plan_reading(cfg, mesh, devices[0].platform)
+  for name, r in reading.items():
+    print(report_reading(name, r, hbm))
   peak = max(r["peak_bytes"] for r in results)
   return {"topology": topology, "slices": slices, "devices": len(devices), "device_kind": devices[0].device_kind,
           "mesh": dict(mesh.shape), "peak_gib": peak / GIB, "hbm_gib": hbm / GIB, "hbm_source": hbm_source,
-          "fits": peak <= hbm, "phases": results}
+          "fits": peak <= hbm, "phases": results, **reading}
+
+
+def compile_step(lower, platform):
+  """Lower (`lower()`) and compile a step for the plan's devices -> its memory figures per device
+  and compile time. XLA:TPU refuses a program whose temporaries exceed the chip: then only
+  temp_bytes is known (its message), and peak_bytes is None for the caller to estimate."""
+  start = time.perf_counter()
+  with pallas_kernels.target_backend(platform):  # kernels.impl=auto picks for the plan's devices
+    lowered = lower()
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    refused = REFUSED.search(str(e))
+    if not refused:
+      raise
+    return {"compile_s": round(time.perf_counter() - start, 1), "compiled": False,
+            "temp_bytes": round(float(refused.group(1)) * GIB), "peak_bytes": None, "xla_peak_bytes": None,
+            "flops": None}
+  analysis = compiled.memory_analysis()
+  memory = {k: getattr(analysis, f"{k}_size_in_bytes") for k in MEMORY_FIELDS}
+  return {"compile_s": round(time.perf_counter() - start, 1), "compiled": True, "temp_bytes": memory["temp"],
+          "peak_bytes": peak_bytes(memory), "xla_peak_bytes": analysis.peak_memory_in_bytes,
+          "flops": compiled.cost_analysis()["flops"]}
+
+
+def plan_reading(cfg, mesh, platform):
+  """The steps that read the trained model on the training's devices and layout (what eval,
+  generate and export do with sharding.inference_mesh there): the eval step on one batch of
+  data.batch_size rows, and one generation step (a token per row) of that many rows against a
+  KV cache of data.seq_len slots, split over the batch axes."""
+  graphdef, abstract = steps.abstract_model(cfg.model)
+  shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        nnx.to_pure_dict(abstract), shardings)
+  rows, length = cfg.data.batch_size, cfg.data.seq_len
+  batch = steps.batch_shapes(rows, length, mesh)
+  eval_step = steps.make_eval_step(graphdef, cfg, shardings, mesh, np.zeros(cfg.model.vocab_size, np.int32))
+  evaluation = {"params_bytes": bytes_per_device(params), "batch_bytes": bytes_per_device(batch),
+                **compile_step(lambda: eval_step.lower(params, batch), platform)}
+
+  model = nnx.merge(graphdef, abstract)
+  cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                       jax.eval_shape(lambda: model.init_cache(rows, length)),
+                       cache_shardings(model, rows, length, mesh))
+  tokens = jax.ShapeDtypeStruct((rows, 1), np.int32, sharding=sharding.batch_sharding(mesh))
+  index, key = jax.ShapeDtypeStruct((), np.int32), jax.eval_shape(lambda: jax.random.key(0))
+  decode = make_decode_step(graphdef, mesh, temperature=0.0)
+  generation = {"params_bytes": bytes_per_device(params), "cache_bytes": bytes_per_device(cache),
+                **compile_step(lambda: decode.lower(params, tokens, cache, index, key), platform)}
+  for r in (evaluation, generation):  # refused: what it is given plus its temporaries
+    if r["peak_bytes"] is None:
+      r["peak_bytes"] = r["temp_bytes"] + sum(v for k, v in r.items() if k.endswith("_bytes") and k != "temp_bytes"
+                                              and k != "peak_bytes")
+  return {"eval": evaluation, "generate": generation}
 
 
 def report(r, hbm):
@@ -229,6 +277,18 @@ def report(r, hbm):
       gib("batch_bytes", "batch"), gib("temp_bytes", "temporaries"),
       gib("peak_bytes", "peak") + f" of {hbm / GIB:.2f} GiB: {fits}", *xla, *dcn,
       f"  {'compile':<18}{r['compile_s']:10.1f} s"])
+
+
+def report_reading(name, r, hbm):
+  """The eval or generation step's figures per device."""
+  gib = lambda key, what: f"  {what:<18}{r[key] / GIB:10.3f} GiB"
+  what = {"eval": "eval step (plan_reading): a batch of the run's rows, per device:",
+          "generate": "generation step (plan_reading): one token per row against a full KV cache, per device:"}[name]
+  inputs = [gib("batch_bytes", "batch")] if "batch_bytes" in r else [gib("cache_bytes", "KV cache")]
+  fits = "fits" if r["peak_bytes"] <= hbm else f"does NOT fit ({r['peak_bytes'] / hbm:.2f}x the memory)"
+  return "\n".join([what, gib("params_bytes", "parameters"), *inputs, gib("temp_bytes", "temporaries"),
+                    gib("peak_bytes", "peak") + f" of {hbm / GIB:.2f} GiB: {fits}",
+                    f"  {'compile':<18}{r['compile_s']:10.1f} s"])
 
 
 FLAGS = [cli.CONFIG,

@@ -53,6 +53,19 @@ def test_plan_on_four_cpu_devices_matches_the_model(tiny_cfg):
   assert phase["peak_bytes"] >= held + phase["temp_bytes"] and phase["temp_bytes"] > 0
   assert out["peak_gib"] == phase["peak_bytes"] / 2**30
   assert phase["flops"] > 0 and phase["model_flops"] > 0
+  # The steps that read the model, on the training's layout: its parameters as split for training;
+  # the eval step's batch is the train batch's; the generation step's KV cache (keys, values and
+  # their positions for every layer, row and slot) splits over the 4 batch shards.
+  evaluation, generation = out["eval"], out["generate"]
+  assert evaluation["params_bytes"] == generation["params_bytes"] == phase["params_bytes"]
+  assert evaluation["batch_bytes"] == phase["batch_bytes"]
+  m = tiny_cfg.model
+  kv = 2 * m.num_kv_heads * m.head_dim * np.dtype(m.dtype).itemsize + 4
+  assert generation["cache_bytes"] == m.num_layers * rows * length * kv // 4
+  for step in (evaluation, generation):
+    assert step["compiled"] and step["temp_bytes"] > 0
+    assert step["peak_bytes"] >= step["params_bytes"] + step["temp_bytes"]
+  assert "eval step" in log and "generation step" in log
 
 
 @pytest.mark.slow  # the slow tier by measured time (pyproject.toml)

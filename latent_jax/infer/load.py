@@ -10,12 +10,11 @@ import os
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from latent_jax import distributed, paths
 from latent_jax.config import config_from_json
 from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
-from latent_jax.train import checkpoint
+from latent_jax.train import checkpoint, sharding
 from latent_jax.train import step as steps
 
 READ_ATTEMPTS = 10  # reads of a newest step that a training removed meanwhile, before giving up
@@ -74,15 +73,22 @@ def load_config(directory, step=None):
   return config_from_json(manager.restore_meta(step)["config"]), step
 
 
-def saved_params(directory, cfg, step=None, shardings=None):
-  """Every parameter the checkpoint (or export) holds, training-only heads included; placed by
-  `shardings` ({"a/b/c": sharding}) where given, else replicated on every device here: whatever
-  mesh and number of processes saved them."""
+def placement(cfg, mesh=None):
+  """{"a/b/c": NamedSharding} of every parameter a checkpoint of `cfg` holds, on `mesh`; by default
+  sharding.inference_mesh's: the training's layout wherever the devices here allow it."""
+  mesh = mesh or sharding.inference_mesh(cfg.mesh)
   _, saved = steps.abstract_model(cfg)
-  shardings = shardings or {}
-  everywhere = NamedSharding(Mesh(jax.devices(), ("devices",)), P())
+  return by_path(nnx.to_pure_dict(sharding.state_shardings(saved, mesh)))
+
+
+def saved_params(directory, cfg, step=None, shardings=None):
+  """Every parameter the checkpoint (or export) holds, training-only heads included, placed by
+  `shardings` ({"a/b/c": sharding}) where given, else as `placement(cfg)`: whatever mesh and
+  number of processes saved them."""
+  _, saved = steps.abstract_model(cfg)
+  shardings = {**placement(cfg), **(shardings or {})}
   target = jax.tree_util.tree_map_with_path(
-      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings.get(path_name(p), everywhere)),
+      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[path_name(p)]),
       nnx.to_pure_dict(saved))
   if is_export(directory):
     read = lambda: checkpoint.read_item(os.path.join(directory, "params"), ocp.args.StandardRestore(target))

@@ -66,6 +66,18 @@ def make_mesh(mesh_cfg, devices=None):
   return jax.sharding.Mesh(np.concatenate(grids, axis=0), MESH_AXES, axis_types=axis_types)
 
 
+def inference_mesh(mesh_cfg, devices=None):
+  """The mesh that eval, generate and export read a trained model on: the training's sizes (one
+  slice's) where they fit the devices here, so parameters are split as the training split them;
+  else fsdp over all of them, so that no device holds all of what the training sharded."""
+  devices = jax.devices() if devices is None else devices
+  try:
+    shape = mesh_shape(mesh_cfg, len(devices))
+  except ConfigError:
+    shape = (1, len(devices), 1)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
 def slice_groups(devices, slices):
   """The devices of each slice: TPU slices (slice_index), else runs of processes (hosts: GPU nodes,
   or CPU hosts standing in for slices), else equal runs of devices (one process's fake devices,
