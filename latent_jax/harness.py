@@ -5,10 +5,10 @@ Importing this module registers the model with lm-eval 0.4.13 (the eval extra: p
 `python -m latent_jax.evaluate` is the command; run as a module, this file is the harness's own CLI
 with the model registered:
 
-  python -m latent_jax.harness --model latent_jax --model_args workdir=runs/ncp,batch_size=16 --tasks arc_easy
+  python -m latent_jax.harness --model latent_jax --model_args workdir=runs/ncp --batch_size 16 --tasks arc_easy
 
-model_args: workdir (required), step, batch_size (8), max_length (the run's data.seq_len),
-max_gen_toks (256), seed (0, for sampled generation).
+model_args: workdir (required), step, max_length (the run's data.seq_len), max_gen_toks (256),
+seed (0, for sampled generation); the harness's batch_size (8 when built directly) is the rows per batch.
 
 Every batch has a fixed shape: batch_size rows (rounded up to a multiple of the devices, over which
 the rows are sharded; params are replicated, as `infer.load` places them) by a power-of-two length
