@@ -27,7 +27,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from latent_jax import load_config  # noqa: E402
-from latent_jax.harness import LatentJaxLM  # noqa: E402
+from latent_jax.harness import LatentJaxLM, bucket, cut  # noqa: E402
 from latent_jax.infer import generate  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,11 @@ def tasks_dir(tmp_path_factory):
     (root / f"{name}.yaml").write_text(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                        f"    test: {root / file}\ntest_split: test\n{spec}")
   return str(root)
+
+
+def test_length_buckets_and_stop_strings():
+  assert [bucket(n, 100) for n in (1, 16, 17, 64, 65, 100, 130)] == [16, 16, 32, 64, 100, 100, 130]
+  assert cut("ab. cd\nef", [".", "\n"]) == "ab" and cut("abc", []) == "abc" and cut("abc", [""]) == "abc"
 
 
 def train_tiny(config, overrides, workdir):
