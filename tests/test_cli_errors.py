@@ -64,12 +64,25 @@ def run_main(module, argv, capsys):
     ("latent_jax.convert", ["--hf", "{tmp}", "--config", TINY, "--out", "{tmp}/out"], ["--hf", "no config.json"]),
     ("latent_jax.convert", ["--workdir", "{tmp}", "--out", "{tmp}"], ["--out", "exists"]),
     ("latent_jax.convert", ["--workdir", "{tmp}", "--out", "{tmp}/out", "--dtype=int8"], ["--dtype", "bfloat16"]),
+    ("latent_jax.evaluate", ["--workdir", "{tmp}"], ["--tasks"]),
+    ("latent_jax.evaluate", ["--workdir", "{tmp}", "--tasks", "x", "--limit=0"], ["--limit=0", ">= 1"]),
+    ("latent_jax.evaluate", ["--workdir", "{tmp}", "--tasks", "x", "--batch_size=0"], ["--batch_size=0", ">= 1"]),
 ])
 def test_bad_flags(module, argv, names, tmp_path, capsys):
   before = listing(tmp_path)
   code, err = run_main(module, [a.format(tmp=tmp_path) for a in argv], capsys)
   check_one_error_line(code, err, names)
   assert listing(tmp_path) == before
+
+
+def test_evaluate_without_the_eval_extra(tmp_path, capsys, monkeypatch):
+  """lm-eval is an optional extra: without it, evaluate says how to install it."""
+  import latent_jax
+  monkeypatch.setitem(sys.modules, "lm_eval", None)  # what an import sees where the package is not installed
+  monkeypatch.delitem(sys.modules, "latent_jax.harness", raising=False)
+  monkeypatch.delattr(latent_jax, "harness", raising=False)
+  code, err = run_main("latent_jax.evaluate", ["--workdir", str(tmp_path), "--tasks", "x"], capsys)
+  check_one_error_line(code, err, ["lm-evaluation-harness is not installed", "pip install -e '.[eval]'"])
 
 
 @pytest.mark.parametrize("module", CLIS + ("latent_jax.plan", "latent_jax.prepare"))
