@@ -10,8 +10,8 @@ with the model registered:
 model_args: workdir (required), step, max_length (the run's data.seq_len), max_gen_toks (256),
 seed (0, for sampled generation); the harness's batch_size (8 when built directly) is the rows per batch.
 
-Every batch has a fixed shape: batch_size rows (rounded up to a multiple of the devices, over which
-the rows are sharded; params are replicated, as `infer.load` places them) by a power-of-two length
+Every batch has a fixed shape: batch_size rows (rounded up to a multiple of the batch shards of the
+mesh `infer.load` places the params on, the training's layout, over which the rows are split) by a power-of-two length
 bucket up to max_length, so one compile serves every batch of a bucket.
 - loglikelihood: one forward per batch of right-padded rows; both models are causal, so the padding
   after a row's last token changes none of its scores.
@@ -20,19 +20,21 @@ bucket up to max_length, so one compile serves every batch of a bucket.
   Rows of different prompt lengths share one scan; the price is prompts fed a token at a time.
 """
 import json
+import math
 
 import jax
 import jax.numpy as jnp
 import lm_eval.models  # noqa: F401  # the harness's own models (hf, ...): its registry imports them only while empty
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from latent_jax.infer import load_model, sample_token
+from latent_jax.infer.sample import params_mesh
+from latent_jax.train import sharding
 
 MIN_BUCKET = 16
 SAMPLING = ("do_sample", "temperature", "top_k", "top_p")  # the gen_kwargs sample_token takes, with until and max_gen_toks
@@ -97,10 +99,11 @@ class LatentJaxLM(TemplateLM):
     if self.max_length < 2:
       raise ValueError(f"max_length={self.max_length}: must be >= 2 (a context token and a scored one).")
     self.max_gen_toks, self.key = max_gen_toks, jax.random.key(seed)
-    devices = jax.devices()
-    self.batch_size = -(-batch_size // len(devices)) * len(devices)
-    self.rows = NamedSharding(Mesh(devices, ("devices",)), P("devices"))  # infer.load's mesh: params replicated on it
     graphdef, self.params = nnx.split(self.model)
+    # Rows split over the batch axes of the mesh infer.load placed the params on (the training's layout).
+    self.rows = sharding.batch_sharding(params_mesh(self.params))
+    shards = math.prod(self.rows.mesh.shape[a] for a in self.rows.spec[0])
+    self.batch_size = -(-batch_size // shards) * shards
     self._score = jax.jit(lambda *a: score(graphdef, *a))
     self._decode = jax.jit(lambda *a, **k: decode(graphdef, *a, **k), static_argnames=("temperature", "top_k", "top_p"))
 
