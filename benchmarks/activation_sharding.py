@@ -32,7 +32,7 @@ def measure(path, overrides):
 
   from latent_jax import load_config, objectives
   from latent_jax.data import FEATURES
-  from latent_jax.train import sharding
+  from latent_jax import sharding
   from latent_jax.train import step as steps
   from latent_jax.train.optim import build_optimizer
 

@@ -13,8 +13,8 @@ import time
 import jax
 import numpy as np
 
-from latent_jax import cli, load_config, objectives
-from latent_jax.train import flops, sharding
+from latent_jax import cli, load_config, objectives, sharding
+from latent_jax.train import flops
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 

@@ -10,11 +10,10 @@ import json
 
 from flax import nnx
 
-from latent_jax import cli, distributed
+from latent_jax import cli, distributed, sharding
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.data.pipeline import val_batch_count
 from latent_jax.infer import load
-from latent_jax.train import sharding
 from latent_jax.train import step as steps
 
 

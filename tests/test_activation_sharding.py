@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import jax, numpy as np
     from latent_jax import load_config, objectives
-    from latent_jax.train import sharding, step as steps
+    from latent_jax import sharding
+    from latent_jax.train import step as steps
     from latent_jax.train.optim import build_optimizer
 
     SMALL = ["model.vocab_size=320", "model.d_model=40", "model.num_layers=2", "model.num_heads=4",

@@ -10,9 +10,8 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY_OVERRIDES
-from latent_jax import ConfigError, load_config, objectives
+from latent_jax import ConfigError, load_config, objectives, sharding
 from latent_jax.infer import load
-from latent_jax.train import sharding
 from latent_jax.train import step as steps
 from latent_jax.train.loop import train
 from latent_jax.train.optim import build_optimizer, trainable_mask

@@ -15,8 +15,7 @@ from flax import nnx
 
 from conftest import ROOT, TINY, TINY_OVERRIDES, ragged_batch
 from latent_jax import ConfigError, build_model, load_config
-from latent_jax import objectives
-from latent_jax.train import sharding
+from latent_jax import objectives, sharding
 from latent_jax.train import step as steps
 
 CONFIGS = os.path.join(ROOT, "configs")
@@ -94,7 +93,8 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from conftest import TINY, TINY_OVERRIDES, ragged_batch
     from latent_jax import load_config
-    from latent_jax.train import sharding, step as steps
+    from latent_jax import sharding
+    from latent_jax.train import step as steps
     from latent_jax.train.optim import build_optimizer
 
     cfg = load_config(TINY, TINY_OVERRIDES)

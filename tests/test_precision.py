@@ -11,9 +11,8 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY, TINY_OVERRIDES, ragged_batch
-from latent_jax import ConfigError, load_config, objectives
+from latent_jax import ConfigError, load_config, objectives, sharding
 from latent_jax.nn.layers import embed_lookup
-from latent_jax.train import sharding
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 

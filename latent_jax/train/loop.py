@@ -11,12 +11,12 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from latent_jax import distributed
+from latent_jax import distributed, sharding
 from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
 from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, save_tokenizer
 from latent_jax.infer import load
-from latent_jax.train import checkpoint, flops, phases, resume, sharding
+from latent_jax.train import checkpoint, flops, phases, resume
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter, read_metrics
 from latent_jax.train.optim import build_optimizer, trainable_mask

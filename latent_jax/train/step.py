@@ -11,10 +11,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from latent_jax import objectives
+from latent_jax import objectives, sharding
 from latent_jax.data import FEATURES
 from latent_jax.nn import build_model
-from latent_jax.train import sharding
 from latent_jax.train.optim import trainable_mask
 
 
