@@ -26,9 +26,9 @@ from latent_jax.infer import load
 from latent_jax.infer.speculative import speculative_generate
 from latent_jax.nn.drafter import BlockDrafter, draft, target_features
 from latent_jax.ops import drafting as D
+from latent_jax.nn import axes_tree
 from latent_jax.train import checkpoint
 from latent_jax.train.optim import decays, is_axes
-from latent_jax.train.step import axes_tree
 
 
 def drafter_loss(drafter, target, batch, anchors, source="data"):

@@ -14,6 +14,7 @@ from latent_jax import cli, distributed, sharding
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.data.pipeline import val_batch_count
 from latent_jax.infer import load
+from latent_jax.nn import abstract_model
 from latent_jax.train import step as steps
 
 
@@ -24,7 +25,7 @@ def evaluate_dir(directory, step=None, max_batches=None):
     # Evaluation runs data-parallel on the devices here, whatever mesh trained the checkpoint.
     cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = -1, 1, 1
     mesh = sharding.make_mesh(cfg.mesh)
-    _, abstract = steps.abstract_model(cfg.model)
+    _, abstract = abstract_model(cfg.model)
     param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
     return cfg, step, mesh, param_shardings, load.load_params(directory, cfg, step, load.by_path(param_shardings))
   cfg, step, mesh, param_shardings, (graphdef, params) = load.read_newest(directory, step, read)

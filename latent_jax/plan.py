@@ -33,6 +33,7 @@ import pallas_kernels
 from latent_jax import cli, distributed, sharding
 from latent_jax.config import load_config, validate
 from latent_jax.train import phases
+from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 
@@ -168,8 +169,8 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None):
         + " ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f", {hbm / GIB:.2f} GiB per device ({hbm_source})")
 
   # As in the train loop: the state's shardings and layout are the same in every phase.
-  graphdef, abstract_params = steps.abstract_model(cfg)
-  axes = steps.axes_tree(abstract_params)
+  graphdef, abstract_params = abstract_model(cfg)
+  axes = axes_tree(abstract_params)
   tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   state = steps.abstract_state(cfg, tx, shardings)

@@ -26,7 +26,7 @@ from latent_jax.data.tokenizer import Tokenizer
 from latent_jax.infer import generate, load, load_model
 from latent_jax.interop import hf
 from latent_jax.interop.safetensors_stream import INDEX, Reader, Writer
-from latent_jax.train import step as steps
+from latent_jax.nn import abstract_model
 from test_cli_errors import check_one_error_line, run_main
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing from the hub: every model here is built in the test
@@ -214,7 +214,7 @@ def test_olmo3_imports_with_transformers_logits(olmo3):
   assert cfg.model.rope_scaling == "yarn" and (cfg.model.window, cfg.model.full_attention_every) == (16, 4)
   assert relative(ours(jnp.asarray(tokens)).logits, want) < 1e-5
   cfg.model.rope_scaling = "none"
-  plain = nnx.merge(steps.abstract_model(cfg.model)[0], nnx.state(ours))
+  plain = nnx.merge(abstract_model(cfg.model)[0], nnx.state(ours))
   assert relative(plain(jnp.asarray(tokens)).logits, want) > 1e-3
 
 

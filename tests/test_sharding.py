@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from latent_jax import load_config
     from latent_jax import sharding
+    from latent_jax.nn import abstract_model, axes_tree
     from latent_jax.train import step as steps
     from latent_jax.train.optim import build_optimizer
 
@@ -41,8 +42,8 @@ SCRIPT = textwrap.dedent("""
     def run(mesh_sizes, devices):
       cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_sizes
       mesh = sharding.make_mesh(cfg.mesh, devices)
-      graphdef, abstract = steps.abstract_model(cfg.model)
-      tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+      graphdef, abstract = abstract_model(cfg.model)
+      tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
       shard = steps.state_shardings(abstract, tx, mesh)
       state = steps.init_state(cfg.model, 0, tx, shard)
       train_step = steps.make_train_step(graphdef, tx, cfg, shard, mesh)

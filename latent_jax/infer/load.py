@@ -16,7 +16,7 @@ from latent_jax import distributed, paths
 from latent_jax.config import config_from_json
 from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.train import checkpoint
-from latent_jax.train import step as steps
+from latent_jax.nn import abstract_model
 
 READ_ATTEMPTS = 10  # reads of a newest step that a training removed meanwhile, before giving up
 
@@ -78,7 +78,7 @@ def saved_params(directory, cfg, step=None, shardings=None):
   """Every parameter the checkpoint (or export) holds, training-only heads included; placed by
   `shardings` ({"a/b/c": sharding}) where given, else replicated on every device here: whatever
   mesh and number of processes saved them."""
-  _, saved = steps.abstract_model(cfg)
+  _, saved = abstract_model(cfg)
   shardings = shardings or {}
   everywhere = NamedSharding(Mesh(jax.devices(), ("devices",)), P())
   target = jax.tree_util.tree_map_with_path(
@@ -97,7 +97,7 @@ def load_params(directory, cfg, step=None, shardings=None):
   """(graphdef, params) of the inference model: training-only heads (NITP, MTP) are dropped;
   `shardings` as saved_params takes them."""
   params = saved_params(directory, cfg, step, shardings)
-  graphdef, abstract = steps.abstract_model(cfg.model)
+  graphdef, abstract = abstract_model(cfg.model)
   return graphdef, keep_like(params, nnx.to_pure_dict(abstract))
 
 
@@ -110,8 +110,8 @@ def check_init_from(directory, cfg, params, step=None):
     raise FileNotFoundError(f"train.init_from: {directory!r} is neither a training workdir with checkpoints nor "
                             "an export folder; give a run's --workdir or a `python -m latent_jax.export` folder.")
   source_cfg, step = load_config(directory, step)
-  source = by_path(nnx.to_pure_dict(steps.abstract_model(source_cfg)[1]))
-  inference = by_path(nnx.to_pure_dict(steps.abstract_model(cfg.model)[1]))
+  source = by_path(nnx.to_pure_dict(abstract_model(source_cfg)[1]))
+  inference = by_path(nnx.to_pure_dict(abstract_model(cfg.model)[1]))
   for name, x in by_path(params).items():
     if name not in source and name in inference:
       raise ValueError(f"train.init_from: {directory} has no parameter {name!r}; its model config differs from "

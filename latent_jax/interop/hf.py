@@ -23,7 +23,7 @@ from latent_jax.data.tokenizer import Tokenizer
 from latent_jax.infer import load
 from latent_jax.interop import olmo3
 from latent_jax.interop.safetensors_stream import Reader, Writer
-from latent_jax.train import step as steps
+from latent_jax.nn import abstract_model
 from latent_jax.train.checkpoint import quiet_orbax
 
 TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")  # carried both ways when present
@@ -31,7 +31,7 @@ TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")  # carri
 
 def param_shapes(model_cfg):
   """{our path: jax.ShapeDtypeStruct} of the model's params, allocating nothing."""
-  return load.by_path(nnx.to_pure_dict(steps.abstract_model(model_cfg)[1]))
+  return load.by_path(nnx.to_pure_dict(abstract_model(model_cfg)[1]))
 
 
 def nested(path, value):
