@@ -30,10 +30,10 @@ import time
 import jax
 
 import pallas_kernels
-from latent_jax import cli, distributed, sharding
 from latent_jax.config import load_config, validate
-from latent_jax.train import phases
+from latent_jax import cli, distributed, sharding
 from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import phases
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY_OVERRIDES
-from latent_jax import ConfigError, load_config, objectives, sharding
+from latent_jax import ConfigError, checkpoint, load_config, objectives, sharding
 from latent_jax.infer import load
 from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import step as steps
@@ -132,8 +132,8 @@ def test_init_from_starts_from_the_source_and_keeps_its_tokenizer(tmp_path, corp
   train(cfg, str(adapted))
 
   assert filecmp.cmp(ncp_source / "tokenizer.model", adapted / "tokenizer.model", shallow=False)
-  src_cfg, src_step = load.load_config(str(ncp_source))
-  ada_cfg, ada_step = load.load_config(str(adapted))
+  src_cfg, src_step = checkpoint.load_config(str(ncp_source))
+  ada_cfg, ada_step = checkpoint.load_config(str(adapted))
   src = named(load.load_params(str(ncp_source), src_cfg, src_step)[1])
   ada = named(load.load_params(str(adapted), ada_cfg, ada_step)[1])
   for name in src:
