@@ -11,9 +11,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from latent_jax import objectives, sharding
+from latent_jax import sharding
 from latent_jax.data import FEATURES
 from latent_jax.nn import build_model
+from latent_jax import objectives
 from latent_jax.train.optim import trainable_mask
 
 
