@@ -30,9 +30,8 @@ def measure(path, overrides):
   import jax  # after XLA_FLAGS
   import numpy as np
 
-  from latent_jax import load_config, objectives
+  from latent_jax import load_config, objectives, sharding
   from latent_jax.data import FEATURES
-  from latent_jax import sharding
   from latent_jax.nn import abstract_model, axes_tree
   from latent_jax.train import step as steps
   from latent_jax.train.optim import build_optimizer

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from latent_jax import cli, load_config, objectives, sharding
-from latent_jax.train import flops
 from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import flops
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 

@@ -11,10 +11,10 @@ from flax import nnx
 
 from conftest import ROOT, TINY_OVERRIDES
 from latent_jax import ConfigError, checkpoint, load_config, objectives, sharding
-from latent_jax.infer import load
 from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import step as steps
 from latent_jax.train.loop import train
+from latent_jax.infer import load
 from latent_jax.train.optim import build_optimizer, trainable_mask
 
 CONFIGS = os.path.join(ROOT, "configs")

@@ -23,10 +23,10 @@ from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizer
 from conftest import TINY, TINY_OVERRIDES
 from latent_jax import build_model, checkpoint, load_config
 from latent_jax.data.tokenizer import Tokenizer
+from latent_jax.nn import abstract_model
 from latent_jax.infer import generate, load, load_model
 from latent_jax.interop import hf
 from latent_jax.interop.safetensors_stream import INDEX, Reader, Writer
-from latent_jax.nn import abstract_model
 from test_cli_errors import check_one_error_line, run_main
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing from the hub: every model here is built in the test

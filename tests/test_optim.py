@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from latent_jax.ops import transformer as T
-from latent_jax.train import flops
 from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import flops
 from latent_jax.train.optim import build_optimizer, learning_rate_schedule
 
 

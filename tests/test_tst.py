@@ -16,8 +16,8 @@ from latent_jax import ConfigError, checkpoint, load_config, objectives, shardin
 from latent_jax.config import validate_tst
 from latent_jax.ops import superposition as sup
 from latent_jax.data import build_data, make_val_batches
-from latent_jax.train import phases
 from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import phases
 from latent_jax.train import step as steps
 from latent_jax.train.loop import train
 from latent_jax.train.metrics import read_metrics
