@@ -16,7 +16,7 @@ from flax import nnx
 from conftest import ROOT, TINY, TINY_OVERRIDES, ragged_batch
 from latent_jax import ConfigError, build_model, load_config
 from latent_jax import objectives, sharding
-from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.nn import abstract_model
 from latent_jax.train import step as steps
 
 CONFIGS = os.path.join(ROOT, "configs")
@@ -95,6 +95,7 @@ SCRIPT = textwrap.dedent("""
     from conftest import TINY, TINY_OVERRIDES, ragged_batch
     from latent_jax import load_config
     from latent_jax import sharding
+    from latent_jax.nn import abstract_model, axes_tree
     from latent_jax.train import step as steps
     from latent_jax.train.optim import build_optimizer
 
