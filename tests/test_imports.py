@@ -67,7 +67,9 @@ def upward_imports(source, path):
 
 
 def sources():
-  return sorted(p.relative_to(ROOT) for package in ("latent_jax", "pallas_kernels") for p in (ROOT / package).rglob("*.py"))
+  """Every module's path, relative to the repository root."""
+  return sorted(p.relative_to(ROOT) for package in ("latent_jax", "pallas_kernels")
+                for p in (ROOT / package).rglob("*.py"))
 
 
 def test_imports_flow_down():
