@@ -30,16 +30,16 @@ def measure(path, overrides):
   import jax  # after XLA_FLAGS
   import numpy as np
 
-  from latent_jax import load_config, objectives
+  from latent_jax import load_config, objectives, sharding
   from latent_jax.data import FEATURES
-  from latent_jax.train import sharding
+  from latent_jax.nn import abstract_model, axes_tree
   from latent_jax.train import step as steps
   from latent_jax.train.optim import build_optimizer
 
   cfg = load_config(path, overrides)
   mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, abstract = steps.abstract_model(cfg)
-  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+  graphdef, abstract = abstract_model(cfg)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
   shard = steps.state_shardings(abstract, tx, mesh)
   state = steps.abstract_state(cfg, tx, shard)
   b, t = cfg.data.batch_size, cfg.data.seq_len

@@ -13,8 +13,9 @@ import time
 import jax
 import numpy as np
 
-from latent_jax import cli, load_config, objectives
-from latent_jax.train import flops, sharding
+from latent_jax import cli, load_config, objectives, sharding
+from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import flops
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 
@@ -50,8 +51,8 @@ def setup(cfg):
   """(the compiled train step, a train state, a random batch, compile seconds) of cfg."""
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
-  graphdef, abstract = steps.abstract_model(cfg)  # with the NITP / MTP heads the config enables
-  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+  graphdef, abstract = abstract_model(cfg)  # with the NITP / MTP heads the config enables
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
   shardings = steps.state_shardings(abstract, tx, mesh)
   state = steps.init_state(cfg, 0, tx, shardings)
   train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg))

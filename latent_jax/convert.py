@@ -14,8 +14,8 @@ Tensors are converted one at a time: memory stays near the largest stacked param
 """
 import jax
 
-from latent_jax import cli, distributed
 from latent_jax.config import DTYPES, load_config
+from latent_jax import cli, distributed
 from latent_jax.interop import hf
 
 FLAGS = [cli.Flag("hf", str, None, "a Hugging Face OLMo-3 folder to import"),

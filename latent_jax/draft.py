@@ -18,17 +18,17 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax import cli, distributed, paths
 from latent_jax.config import ConfigError, load_config
+from latent_jax import cli, distributed, paths
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
 from latent_jax.data.pipeline import num_windows
+from latent_jax.ops import drafting as D
+from latent_jax.nn import axes_tree
+from latent_jax.nn.drafter import BlockDrafter, draft, target_features
+from latent_jax import checkpoint
+from latent_jax.train.optim import decays, is_axes
 from latent_jax.infer import load
 from latent_jax.infer.speculative import speculative_generate
-from latent_jax.nn.drafter import BlockDrafter, draft, target_features
-from latent_jax.ops import drafting as D
-from latent_jax.train import checkpoint
-from latent_jax.train.optim import decays, is_axes
-from latent_jax.train.step import axes_tree
 
 
 def drafter_loss(drafter, target, batch, anchors, source="data"):
@@ -124,7 +124,7 @@ def run(cfg, workdir, log=print):
     if paths.path(path).exists():
       raise FileExistsError(f"{path} exists; pick another --workdir (an earlier result is never overwritten).")
   cli.writable_dir(workdir, "--workdir")
-  if not (load.is_export(cfg.target) or checkpoint.has_checkpoints(cfg.target)):
+  if not (checkpoint.is_export(cfg.target) or checkpoint.has_checkpoints(cfg.target)):
     raise FileNotFoundError(f"target: {cfg.target!r} is neither a training workdir with checkpoints nor an export "
                             "folder; train first, or point --config.target at a trained run's workdir.")
   target, target_cfg, tokenizer = load.load_model(cfg.target)

@@ -10,23 +10,24 @@ import json
 
 from flax import nnx
 
-from latent_jax import cli, distributed
+from latent_jax import cli, distributed, sharding
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.data.pipeline import val_batch_count
-from latent_jax.infer import load
-from latent_jax.train import sharding
+from latent_jax.nn import abstract_model
+from latent_jax import checkpoint
 from latent_jax.train import step as steps
+from latent_jax.infer import load
 
 
 def evaluate_dir(directory, step=None, max_batches=None):
   """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all."""
   def read(step):  # the checkpoint first: a training may remove it while the data is built
-    cfg, step = load.load_config(directory, step)
+    cfg, step = checkpoint.load_config(directory, step)
     mesh = sharding.inference_mesh(cfg.mesh)  # the training's layout, where the devices here allow it
-    _, abstract = steps.abstract_model(cfg.model)
+    _, abstract = abstract_model(cfg.model)
     param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
-    return cfg, step, mesh, param_shardings, load.load_params(directory, cfg, step, load.by_path(param_shardings))
-  cfg, step, mesh, param_shardings, (graphdef, params) = load.read_newest(directory, step, read)
+    return cfg, step, mesh, param_shardings, load.load_params(directory, cfg, step, checkpoint.by_path(param_shardings))
+  cfg, step, mesh, param_shardings, (graphdef, params) = checkpoint.read_newest(directory, step, read)
   data = build_data(cfg, directory)
   max_batches = cfg.train.eval_batches if max_batches is None else max_batches
   split_batches = val_batch_count(len(data.val_tokens), cfg.data.seq_len, cfg.data.batch_size)

@@ -11,8 +11,7 @@ offline, are in docs/interop.md.
 import json
 import os
 
-from latent_jax import cli
-from latent_jax.infer import load
+from latent_jax import checkpoint, cli
 
 FLAGS = [
     cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,
@@ -61,7 +60,7 @@ def evaluate(args):
   if args.output:
     cli.writable_dir(os.path.dirname(os.path.abspath(args.output)), "--output's folder")
   tasks = task_names(args.tasks)
-  load.load_config(args.workdir, args.step)  # a workdir without checkpoints, before the harness indexes its tasks
+  checkpoint.load_config(args.workdir, args.step)  # a workdir without checkpoints, before the harness indexes its tasks
   task_manager = TaskManager(include_path=args.include_path)
   check_tasks(tasks, task_manager)  # before the model loads
   model = harness.LatentJaxLM(args.workdir, args.step, args.batch_size, args.max_length)

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from latent_jax import cli, distributed, paths
 from latent_jax.config import DTYPES
+from latent_jax import cli, distributed, paths
+from latent_jax import checkpoint
 from latent_jax.infer import load
 
 
@@ -24,15 +25,15 @@ def export(workdir, out, step=None, dtype=None):
   cli.writable_dir(out, "--out")
   distributed.barrier("export: --out checked")  # before process 0 creates it
   def read(step):
-    cfg, step = load.load_config(workdir, step)
+    cfg, step = checkpoint.load_config(workdir, step)
     return cfg, load.load_params(workdir, cfg, step)[1]  # the inference model's params only
-  cfg, params = load.read_newest(workdir, step, read)
+  cfg, params = checkpoint.read_newest(workdir, step, read)
   cfg = load.inference_config(cfg)
   dtype = dtype or cfg.model.dtype
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
   cfg.model.param_dtype = dtype
   cfg.model.allow_bf16_params = dtype == "bfloat16"  # an inference copy: no optimiser updates it
-  tokenizer = load.load_tokenizer(workdir, cfg)
+  tokenizer = checkpoint.load_tokenizer(workdir, cfg)
   distributed.on_primary("export folder", lambda: paths.path(out).mkdir(parents=True), OSError)
   ckptr = ocp.StandardCheckpointer()  # every process saves its shards; Orbax writes each array once
   ckptr.save(paths.absolute(os.path.join(out, "params")), params)

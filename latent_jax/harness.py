@@ -32,9 +32,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from latent_jax import sharding
 from latent_jax.infer import load_model, sample_token
 from latent_jax.infer.sample import params_mesh
-from latent_jax.train import sharding
 
 MIN_BUCKET = 16
 SAMPLING = ("do_sample", "temperature", "top_k", "top_p")  # the gen_kwargs sample_token takes, with until and max_gen_toks

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from latent_jax.config import mtp_enabled, nitp_enabled
+from latent_jax import sharding
 from latent_jax.ops import auxiliary as A
 from latent_jax.ops import concepts as C
 from latent_jax.ops import superposition as sup
-from latent_jax.train import sharding
 
 
 def token_cross_entropy(hidden, head_weight, targets, impl):

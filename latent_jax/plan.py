@@ -35,12 +35,13 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from latent_jax import cli, distributed
 from latent_jax.config import load_config, validate
-from latent_jax.infer.sample import cache_shardings, make_decode_step
-from latent_jax.train import phases, sharding
+from latent_jax import cli, distributed, sharding
+from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import phases
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
+from latent_jax.infer.sample import cache_shardings, make_decode_step
 
 GIB = 2**30
 
@@ -174,8 +175,8 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None):
         + " ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f", {hbm / GIB:.2f} GiB per device ({hbm_source})")
 
   # As in the train loop: the state's shardings and layout are the same in every phase.
-  graphdef, abstract_params = steps.abstract_model(cfg)
-  axes = steps.axes_tree(abstract_params)
+  graphdef, abstract_params = abstract_model(cfg)
+  axes = axes_tree(abstract_params)
   tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   state = steps.abstract_state(cfg, tx, shardings)
@@ -233,7 +234,7 @@ def plan_reading(cfg, mesh, platform):
   generate and export do with sharding.inference_mesh there): the eval step on one batch of
   data.batch_size rows, and one generation step (a token per row) of that many rows against a
   KV cache of data.seq_len slots, split over the batch axes."""
-  graphdef, abstract = steps.abstract_model(cfg.model)
+  graphdef, abstract = abstract_model(cfg.model)
   shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         nnx.to_pure_dict(abstract), shardings)

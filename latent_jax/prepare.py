@@ -29,8 +29,8 @@ import jax
 import numpy as np
 import tqdm
 
-from latent_jax import cli, distributed, paths
 from latent_jax.config import load_config, validate
+from latent_jax import cli, distributed, paths
 from latent_jax.data import store
 from latent_jax.data.corpus import NAMED_SOURCES, cuttable, document_key, held_out, read_documents, resolve_files
 from latent_jax.data.pipeline import count_entropy, token_stream

@@ -18,7 +18,9 @@ SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     import jax, numpy as np
     from latent_jax import load_config, objectives
-    from latent_jax.train import sharding, step as steps
+    from latent_jax import sharding
+    from latent_jax.nn import abstract_model, axes_tree
+    from latent_jax.train import step as steps
     from latent_jax.train.optim import build_optimizer
 
     SMALL = ["model.vocab_size=320", "model.d_model=40", "model.num_layers=2", "model.num_heads=4",
@@ -30,8 +32,8 @@ SCRIPT = textwrap.dedent("""
       cfg = load_config(os.path.join("configs", config), SMALL + overrides)
       cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_sizes
       mesh = sharding.make_mesh(cfg.mesh)
-      graphdef, abstract = steps.abstract_model(cfg)
-      tx, _ = build_optimizer(cfg.optim, 10, steps.axes_tree(abstract))
+      graphdef, abstract = abstract_model(cfg)
+      tx, _ = build_optimizer(cfg.optim, 10, axes_tree(abstract))
       shard = steps.state_shardings(abstract, tx, mesh)
       state = steps.abstract_state(cfg, tx, shard)
       rows = jax.ShapeDtypeStruct((16, seq), np.int32, sharding=sharding.batch_sharding(mesh))

@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY_OVERRIDES
-from latent_jax import ConfigError, load_config, objectives
-from latent_jax.infer import load
-from latent_jax.train import sharding
+from latent_jax import ConfigError, checkpoint, load_config, objectives, sharding
+from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import step as steps
 from latent_jax.train.loop import train
+from latent_jax.infer import load
 from latent_jax.train.optim import build_optimizer, trainable_mask
 
 CONFIGS = os.path.join(ROOT, "configs")
@@ -30,8 +30,8 @@ def named(tree):
 def test_vq_preset_is_the_papers_17m_at_8b():
   """Sec. 5.1: ~17M trainable parameters, the codebook (N*d) and the heads (d x S*N)."""
   cfg = load_config(os.path.join(CONFIGS, "ncp_archpreview_8b.py"), ["optim.trainable=vq"])
-  _, abstract = steps.abstract_model(cfg)
-  axes = steps.axes_tree(abstract)
+  _, abstract = abstract_model(cfg)
+  axes = axes_tree(abstract)
   mask = named(trainable_mask(axes, "vq"))
   assert {name for name, train in mask.items() if train} == VQ
   m = cfg.model
@@ -44,8 +44,8 @@ def test_vq_preset_is_the_papers_17m_at_8b():
 def small_state(trainable, name="adamw"):
   cfg = load_config(os.path.join(CONFIGS, "tiny_ncp.py"), NCP + [f"optim.trainable={trainable}", f"optim.name={name}", "optim.warmup_steps=0"])
   mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, abstract = steps.abstract_model(cfg)
-  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+  graphdef, abstract = abstract_model(cfg)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
   shardings = steps.state_shardings(abstract, tx, mesh)
   state = steps.init_state(cfg, 0, tx, shardings)
   tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (cfg.data.batch_size, cfg.data.seq_len + 1))
@@ -64,7 +64,7 @@ def test_vq_adaptation_moves_only_the_codebook_and_heads():
   state_before = jax.device_get(state["params"])
   # No optimiser state for frozen params: as much state as the same optimiser over the
   # trainable params alone.
-  axes = steps.axes_tree(steps.abstract_model(cfg)[1])
+  axes = axes_tree(abstract_model(cfg)[1])
   alone = {k: axes[k] for k in ("codebook", "heads", "head_norm")}
   o = cfg.optim.copy_and_resolve_references()
   o.trainable = "all"
@@ -99,7 +99,7 @@ def test_vq_adaptation_moves_only_the_codebook_and_heads():
 
 
 def test_trainable_regex_and_bad_values():
-  axes = steps.axes_tree(steps.abstract_model(load_config(os.path.join(CONFIGS, "tiny_ncp.py"), NCP))[1])
+  axes = axes_tree(abstract_model(load_config(os.path.join(CONFIGS, "tiny_ncp.py"), NCP))[1])
   mask = named(trainable_mask(axes, r"decoder/.*|lm_head"))
   assert {n for n, t in mask.items() if t} == {n for n in mask if n.startswith("decoder/") or n == "lm_head"}
   assert all(named(trainable_mask(axes, "all")).values())
@@ -132,8 +132,8 @@ def test_init_from_starts_from_the_source_and_keeps_its_tokenizer(tmp_path, corp
   train(cfg, str(adapted))
 
   assert filecmp.cmp(ncp_source / "tokenizer.model", adapted / "tokenizer.model", shallow=False)
-  src_cfg, src_step = load.load_config(str(ncp_source))
-  ada_cfg, ada_step = load.load_config(str(adapted))
+  src_cfg, src_step = checkpoint.load_config(str(ncp_source))
+  ada_cfg, ada_step = checkpoint.load_config(str(adapted))
   src = named(load.load_params(str(ncp_source), src_cfg, src_step)[1])
   ada = named(load.load_params(str(adapted), ada_cfg, ada_step)[1])
   for name in src:
@@ -182,7 +182,7 @@ def test_resume_ignores_a_missing_source_and_refuses_another_trainable(tmp_path,
 
 def test_tst_reinit_refuses_frozen_embeddings():
   from latent_jax.train.loop import check_trains_embeddings
-  axes = steps.axes_tree(steps.abstract_model(load_config(os.path.join(CONFIGS, "tiny.py"), TINY_OVERRIDES))[1])
+  axes = axes_tree(abstract_model(load_config(os.path.join(CONFIGS, "tiny.py"), TINY_OVERRIDES))[1])
   check_trains_embeddings(trainable_mask(axes, "all"), "all")
   with pytest.raises(ConfigError, match=r"optim.trainable='blocks/.\*' freezes \['embed', 'lm_head'\]"):
     check_trains_embeddings(trainable_mask(axes, "blocks/.*"), "blocks/.*")

@@ -255,7 +255,7 @@ TENSOR_SCRIPT = textwrap.dedent("""
     from latent_jax import objectives
     from latent_jax.ops import attention as A
     from latent_jax.ops.transformer import NO_WINDOW
-    from latent_jax.train import sharding
+    from latent_jax import sharding
 
     B, T, H, K, D = 4, 128, 4, 2, 8
     AXES = {"q": ("batch", "length", "heads", "head_dim"), "kv": ("batch", "length", "kv_heads", "head_dim")}

@@ -177,11 +177,13 @@ def store(tmp_path_factory, corpus_dir):
 def save_fresh_checkpoint(workdir, cfg, step):
   """A checkpoint at `step` as a training of `cfg` saves it (of a fresh state: what it holds does
   not matter here), written by this process without compiling a train step."""
+  from latent_jax import checkpoint, sharding
   from latent_jax.data import Tokenizer, find_tokenizer
-  from latent_jax.train import checkpoint, sharding, step as steps
+  from latent_jax.nn import abstract_model, axes_tree
+  from latent_jax.train import step as steps
   from latent_jax.train.optim import build_optimizer
-  _, abstract = steps.abstract_model(cfg)
-  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+  _, abstract = abstract_model(cfg)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
   state = steps.init_state(cfg, cfg.train.seed, tx, steps.state_shardings(abstract, tx, sharding.make_mesh(cfg.mesh)))
   saved = checkpoint.Checkpoints(str(workdir), async_save=False)
   saved.save(step, state, {"config": checkpoint.config_to_json(cfg)}, Tokenizer(find_tokenizer(cfg.data.source)))

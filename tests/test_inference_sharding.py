@@ -18,11 +18,11 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from flax import nnx
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from latent_jax import load_config
+    from latent_jax import checkpoint, load_config
     from latent_jax.eval import evaluate_dir
     from latent_jax.export import export
     from latent_jax.infer import generate, load, load_model
-    from latent_jax.train import sharding
+    from latent_jax import sharding
     from latent_jax.train.loop import train
 
     config, corpus, workdir, out, overrides = sys.argv[1:5] + [json.loads(sys.argv[5])]
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
       return bool(same and held < 0.5 * sum(x.size for x in jax.tree.leaves(params)))
     # The same checkpoint replicated on a data-only mesh: the layout eval and generate used before.
     mesh = jax.make_mesh((4, 1, 1), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
-    everywhere = {name: NamedSharding(mesh, P()) for name in load.placement(cfg)}
+    everywhere = {name: NamedSharding(mesh, P()) for name in checkpoint.placement(cfg)}
     graphdef, replicated = load.load_params(workdir, cfg, None, everywhere)
     prompt = np.tile(np.arange(1, 6, dtype=np.int32), (4, 1))
     tokens = [np.asarray(generate(m, prompt, 6, jax.random.key(0), temperature=0.0))

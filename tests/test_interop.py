@@ -21,12 +21,12 @@ from flax import nnx
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import TINY, TINY_OVERRIDES
-from latent_jax import build_model, load_config
+from latent_jax import build_model, checkpoint, load_config
 from latent_jax.data.tokenizer import Tokenizer
+from latent_jax.nn import abstract_model
 from latent_jax.infer import generate, load, load_model
 from latent_jax.interop import hf
 from latent_jax.interop.safetensors_stream import INDEX, Reader, Writer
-from latent_jax.train import step as steps
 from test_cli_errors import check_one_error_line, run_main
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing from the hub: every model here is built in the test
@@ -76,8 +76,8 @@ def random_export(out, tokenizer_file, overrides=(), seed=0):
 
 def saved(directory):
   """{path: array} of an export folder's params."""
-  cfg, _ = load.load_config(directory)
-  return load.by_path(jax.tree.map(np.asarray, load.saved_params(directory, cfg)))
+  cfg, _ = checkpoint.load_config(directory)
+  return checkpoint.by_path(jax.tree.map(np.asarray, checkpoint.saved_params(directory, cfg)))
 
 
 @pytest.mark.parametrize("file_bytes", [2**40, 20_000])  # one model.safetensors; files and an index
@@ -103,7 +103,7 @@ def test_round_trip_without_torch(tmp_path, tokenizer_file, file_bytes):
   assert open(os.path.join(back, "tokenizer_config.json")).read() == open(tmp_path / "hf" / "tokenizer_config.json").read()
   run = load_config(TINY, OURS + [f"train.init_from={back}"])
   fresh = nnx.to_pure_dict(nnx.state(build_model(run, nnx.Rngs(0))))
-  start = load.by_path(load.initial_params(back, run, fresh))
+  start = checkpoint.by_path(checkpoint.initial_params(back, run, fresh))
   np.testing.assert_array_equal(np.asarray(start["blocks/blocks/mlp/gate"]), params["blocks/blocks/mlp/gate"])
 
 
@@ -214,7 +214,7 @@ def test_olmo3_imports_with_transformers_logits(olmo3):
   assert cfg.model.rope_scaling == "yarn" and (cfg.model.window, cfg.model.full_attention_every) == (16, 4)
   assert relative(ours(jnp.asarray(tokens)).logits, want) < 1e-5
   cfg.model.rope_scaling = "none"
-  plain = nnx.merge(steps.abstract_model(cfg.model)[0], nnx.state(ours))
+  plain = nnx.merge(abstract_model(cfg.model)[0], nnx.state(ours))
   assert relative(plain(jnp.asarray(tokens)).logits, want) > 1e-3
 
 

@@ -15,8 +15,8 @@ from flax import nnx
 
 from conftest import ROOT, TINY, TINY_OVERRIDES, ragged_batch
 from latent_jax import ConfigError, build_model, load_config
-from latent_jax import objectives
-from latent_jax.train import sharding
+from latent_jax import objectives, sharding
+from latent_jax.nn import abstract_model
 from latent_jax.train import step as steps
 
 CONFIGS = os.path.join(ROOT, "configs")
@@ -41,7 +41,7 @@ def step_once(cfg, objective, batch, k):
   """(metrics, gradients) of one train step with train.microbatches = k, on one device."""
   cfg.train.microbatches = k
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  graphdef, abstract = steps.abstract_model(cfg)
+  graphdef, abstract = abstract_model(cfg)
   tx = keep_gradients()
   shardings = steps.state_shardings(abstract, tx, mesh)
   state = steps.init_state(cfg, 0, tx, shardings)
@@ -94,7 +94,9 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from conftest import TINY, TINY_OVERRIDES, ragged_batch
     from latent_jax import load_config
-    from latent_jax.train import sharding, step as steps
+    from latent_jax import sharding
+    from latent_jax.nn import abstract_model, axes_tree
+    from latent_jax.train import step as steps
     from latent_jax.train.optim import build_optimizer
 
     cfg = load_config(TINY, TINY_OVERRIDES)
@@ -105,8 +107,8 @@ SCRIPT = textwrap.dedent("""
       cfg.train.microbatches = k
       mesh = sharding.make_mesh(cfg.mesh, devices)
       sharding.check_batch(cfg.data.batch_size, mesh, k)
-      graphdef, abstract = steps.abstract_model(cfg.model)
-      tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+      graphdef, abstract = abstract_model(cfg.model)
+      tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
       shard = steps.state_shardings(abstract, tx, mesh)
       state = steps.init_state(cfg.model, 0, tx, shard)
       state, metrics = steps.make_train_step(graphdef, tx, cfg, shard, mesh)(state, sharding.global_batch(batch, mesh))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY, TINY_OVERRIDES
-from latent_jax.infer import load
+from latent_jax import checkpoint
 
 STEPS = 8
 RUN = [*TINY_OVERRIDES, f"train.steps={STEPS}", "train.checkpoint_every=4", "train.eval_every=4", "mesh.data=1",
@@ -57,8 +57,8 @@ def rows(workdir):
 
 
 def final_params(workdir):
-  cfg, step = load.load_config(str(workdir))
-  return step, jax.tree.leaves(load.saved_params(str(workdir), cfg, step))
+  cfg, step = checkpoint.load_config(str(workdir))
+  return step, jax.tree.leaves(checkpoint.saved_params(str(workdir), cfg, step))
 
 
 def assert_same_params(a, b):

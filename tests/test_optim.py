@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from latent_jax.ops import transformer as T
+from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import flops
-from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer, learning_rate_schedule
 
 
@@ -16,8 +16,8 @@ def muon_updates(tiny_cfg, scale_layer=None):
   """First Muon-run update (lr 1, no warmup, no decay) for a random gradient."""
   from flax import nnx
   tiny_cfg.optim.update(name="muon", lr=1.0, warmup_steps=0, weight_decay=0.0, clip_norm=0.0)
-  _, abstract = steps.abstract_model(tiny_cfg.model)
-  tx, _ = build_optimizer(tiny_cfg.optim, 10, steps.axes_tree(abstract))
+  _, abstract = abstract_model(tiny_cfg.model)
+  tx, _ = build_optimizer(tiny_cfg.optim, 10, axes_tree(abstract))
   params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nnx.to_pure_dict(abstract))
   rng = np.random.default_rng(0)
   grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype), params)
@@ -73,8 +73,8 @@ def test_schedules_against_closed_form(tiny_cfg, schedule):
 def test_weight_decay_skips_embeddings_and_norms(tiny_cfg):
   tiny_cfg.optim.update(lr=1.0, weight_decay=0.5, clip_norm=0.0, warmup_steps=0)
   from flax import nnx
-  _, abstract = steps.abstract_model(tiny_cfg.model)
-  tx, _ = build_optimizer(tiny_cfg.optim, 10, steps.axes_tree(abstract))
+  _, abstract = abstract_model(tiny_cfg.model)
+  tx, _ = build_optimizer(tiny_cfg.optim, 10, axes_tree(abstract))
   params = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), nnx.to_pure_dict(abstract))
   zero = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zero, tx.init(params), params)  # zero gradient: only decay moves params

@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY, TINY_OVERRIDES, ragged_batch
-from latent_jax import ConfigError, load_config, objectives
+from latent_jax import ConfigError, load_config, objectives, sharding
 from latent_jax.nn.layers import embed_lookup
-from latent_jax.train import sharding
+from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 
@@ -41,14 +41,14 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 def setup(cfg):
   """(mesh of one device, optimiser, state shardings) of cfg."""
   mesh = sharding.make_mesh(cfg.mesh, jax.devices()[:1])
-  _, abstract = steps.abstract_model(cfg)
-  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+  _, abstract = abstract_model(cfg)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
   return mesh, tx, steps.state_shardings(abstract, tx, mesh)
 
 
 def train(cfg, state, batches, mesh, tx, shardings):
   """The state after one train step on each of `batches`, from `state` (left as it is), as NumPy."""
-  graphdef, _ = steps.abstract_model(cfg)
+  graphdef, _ = abstract_model(cfg)
   train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg))
   train_step = train_step.lower(state, batches[0]).compile(FAST_COMPILE)
   state = jax.tree.map(jnp.copy, state)  # the step donates its input
@@ -100,7 +100,7 @@ def test_recipe_precision_trains_like_float32(recipe):
   # The precision: float32 master parameters and optimiser state (moments, Muon's momentum), bf16 compute.
   assert (cfg.model.param_dtype, cfg.model.dtype, cfg.optim.name, cfg.optim.lr) == ("float32", "bfloat16", "muon", 6e-5)
   assert {x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)} == {np.dtype("float32")}
-  graphdef, abstract = steps.abstract_model(cfg)
+  graphdef, abstract = abstract_model(cfg)
   out = jax.eval_shape(lambda p: nnx.merge(graphdef, p)(jnp.zeros((1, 32), jnp.int32), logits=False), abstract)
   assert out.hidden.dtype == jnp.bfloat16
 

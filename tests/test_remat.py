@@ -10,8 +10,8 @@ from flax import nnx
 from conftest import ROOT, TINY, TINY_OVERRIDES, ragged_batch
 from latent_jax import ConfigError, build_model, load_config
 from latent_jax.config import config_from_json
-from latent_jax import objectives
-from latent_jax.train import checkpoint, resume
+from latent_jax import checkpoint, objectives
+from latent_jax.train import resume
 
 TINY_NCP = os.path.join(ROOT, "configs", "tiny_ncp.py")
 NCP = ["model.encoder_layers=1", "model.concept_layers=1", "model.decoder_layers=2", "model.num_segments=4",

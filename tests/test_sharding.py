@@ -23,7 +23,9 @@ SCRIPT = textwrap.dedent("""
                                "--xla_cpu_collective_call_terminate_timeout_seconds=900")
     import jax, numpy as np
     from latent_jax import load_config
-    from latent_jax.train import sharding, step as steps
+    from latent_jax import sharding
+    from latent_jax.nn import abstract_model, axes_tree
+    from latent_jax.train import step as steps
     from latent_jax.train.optim import build_optimizer
 
     cfg = load_config(sys.argv[1], ["model.vocab_size=256", "model.d_model=32", "model.num_layers=2",
@@ -40,8 +42,8 @@ SCRIPT = textwrap.dedent("""
     def run(mesh_sizes, devices):
       cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = mesh_sizes
       mesh = sharding.make_mesh(cfg.mesh, devices)
-      graphdef, abstract = steps.abstract_model(cfg.model)
-      tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract))
+      graphdef, abstract = abstract_model(cfg.model)
+      tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
       shard = steps.state_shardings(abstract, tx, mesh)
       state = steps.init_state(cfg.model, 0, tx, shard)
       train_step = steps.make_train_step(graphdef, tx, cfg, shard, mesh)
@@ -76,7 +78,7 @@ def test_sharded_train_steps_equal_single_device(optimizer):
 
 
 def test_mesh_that_does_not_fit_devices_is_a_clear_error(tiny_cfg):
-  from latent_jax.train.sharding import mesh_shape
+  from latent_jax.sharding import mesh_shape
   tiny_cfg.mesh.data, tiny_cfg.mesh.fsdp, tiny_cfg.mesh.tensor = 2, 2, 2
   with pytest.raises(ConfigError, match="there are 4 devices"):
     mesh_shape(tiny_cfg.mesh, 4)
@@ -92,7 +94,7 @@ def test_slices_group_devices_by_tpu_slice_then_process_then_runs():
   """mesh.slices: which devices form each slice (the data axis runs over slices, fsdp and tensor
   stay inside one): TPU slices by slice_index, hosts by process (two per slice here), else runs."""
   from types import SimpleNamespace as Device
-  from latent_jax.train.sharding import slice_groups
+  from latent_jax.sharding import slice_groups
   ids = lambda groups: [[d.id for d in g] for g in groups]
   tpus = [Device(id=i, slice_index=i % 2, process_index=i // 2) for i in range(8)]
   assert ids(slice_groups(tpus, 2)) == [[0, 2, 4, 6], [1, 3, 5, 7]]

@@ -283,7 +283,8 @@ def test_prepare_train_data_and_metrics_in_a_bucket(sources, store_dir, bucket, 
   from tensorboardX import record_writer
 
   from latent_jax.data import find_tokenizer, save_tokenizer
-  from latent_jax.train import checkpoint, metrics, workdir
+  from latent_jax import checkpoint
+  from latent_jax.train import metrics, workdir
   assert paths.absolute("gs://b/runs/x") == "gs://b/runs/x" and paths.expand(" gs://b/x ") == "gs://b/x"  # not ./gs:/b/x
   for root, _, names in os.walk(sources):
     for n in names:
@@ -312,7 +313,7 @@ def test_prepare_train_data_and_metrics_in_a_bucket(sources, store_dir, bucket, 
   assert "is in a bucket, where it is not locked" in capsys.readouterr().out
   lock.release()
   paths.path(f"{run}/checkpoints/6/params/x").write_text("?")  # a damaged checkpoint is moved aside
-  assert workdir.move_aside(f"{run}/checkpoints/6", run, "why") == f"{run}/damaged/checkpoints-6"
+  assert checkpoint.move_aside(f"{run}/checkpoints/6", run, "why") == f"{run}/damaged/checkpoints-6"
   assert paths.path(f"{run}/damaged/checkpoints-6/params/x").read_text() == "?"
   assert not paths.path(f"{run}/checkpoints/6").exists()
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TINY, TINY_OVERRIDES
+from latent_jax import checkpoint
 from latent_jax.infer import load
 
 
@@ -25,7 +26,7 @@ def train_cmd(workdir, corpus, *extra):
 
 
 def final_params(workdir):
-  cfg, step = load.load_config(str(workdir))
+  cfg, step = checkpoint.load_config(str(workdir))
   return step, jax.tree.leaves(load.load_params(str(workdir), cfg, step)[1])
 
 
@@ -83,7 +84,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, corpus_dir):
   proc.send_signal(signal.SIGTERM)
   out = proc.communicate(timeout=120)[0]
   assert proc.returncode == 0, out
-  cfg, step = load.load_config(str(tmp_path))
+  cfg, step = checkpoint.load_config(str(tmp_path))
   assert 2 <= step < 100000 and f"stopped at step {step}" in out
 
 

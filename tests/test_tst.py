@@ -12,11 +12,12 @@ import pytest
 from flax import nnx
 
 from conftest import ROOT, TINY_OVERRIDES
-from latent_jax import ConfigError, load_config, objectives
+from latent_jax import ConfigError, checkpoint, load_config, objectives, sharding
 from latent_jax.config import validate_tst
 from latent_jax.ops import superposition as sup
 from latent_jax.data import build_data, make_val_batches
-from latent_jax.train import checkpoint, phases, sharding
+from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import phases
 from latent_jax.train import step as steps
 from latent_jax.train.loop import train
 from latent_jax.train.metrics import read_metrics
@@ -153,7 +154,7 @@ def test_phase1_rows_of_l_times_s_tokens_give_l_positions():
       calls.append((kw["embeddings"].shape, segment_ids.shape, positions.shape))
       return self.model(tokens, segment_ids, positions, **kw)
 
-  graphdef, params = steps.abstract_model(cfg.model)
+  graphdef, params = abstract_model(cfg.model)
   batch = {k: jax.ShapeDtypeStruct((2, 128), jnp.int32) for k in ("inputs", "targets", "segment_ids", "positions")}
   objective = lambda p, b: objectives.tst_objective(Spy(nnx.merge(graphdef, p)), b, cfg)
   loss, metrics = jax.eval_shape(objective, nnx.to_pure_dict(params), batch)  # traces, runs nothing
@@ -204,7 +205,7 @@ def test_tst_objective_modes_feed_and_score_what_they_say(superpose, positions, 
     return real_ce(hidden, weight, labels, *args, **kw)
 
   monkeypatch.setattr(sup, "multihot_cross_entropy", multihot)
-  graphdef, abstract = steps.abstract_model(cfg.model)
+  graphdef, abstract = abstract_model(cfg.model)
   params = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * 0.2, x.dtype), nnx.to_pure_dict(abstract))
 
   @jax.jit  # one compilation, rather than op by op
@@ -324,8 +325,8 @@ def run(workdir, corpus, *overrides, kill=None, cost=False):
 def saved_state(workdir, subdir, step):
   """(train state, meta) of checkpoint `step` in WORKDIR/SUBDIR, on the host."""
   cfg = load_config(TINY_TST, RUN)
-  _, abstract_params = steps.abstract_model(cfg.model)
-  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, steps.axes_tree(abstract_params))
+  _, abstract_params = abstract_model(cfg.model)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract_params))
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
                           jax.eval_shape(lambda: steps.init_state(cfg.model, 0, tx, None)))
@@ -387,7 +388,7 @@ def test_phase2_starts_from_the_saved_phase1_result_with_its_optimiser(straight,
   data = build_data(cfg, str(workdir))
   val = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
   mesh = sharding.make_mesh(cfg.mesh)
-  graphdef, _ = steps.abstract_model(cfg.model)
+  graphdef, _ = abstract_model(cfg.model)
   eval_step = steps.make_eval_step(graphdef, cfg, None, mesh, data.tokenizer.token_bytes)
   got = steps.evaluate(eval_step, saved["params"], val, mesh, cfg.data.batch_size)
   assert got["val_loss"] == pytest.approx(rows[1]["val_loss"], rel=1e-6)

@@ -238,6 +238,7 @@ def test_a_reader_whose_newest_step_is_removed_reads_the_next(tmp_path, finished
   is committed and 4 removed, its array files first, while 4 is being read. The reader reads 6,
   with the params of the finished run. A step given by number, or damage to the newest one, is
   read once and its error raised."""
+  from latent_jax import checkpoint
   from latent_jax.infer import load
   source, want = finished_run
   run, later = tmp_path / "run", tmp_path / "6"
@@ -250,22 +251,22 @@ def test_a_reader_whose_newest_step_is_removed_reads_the_next(tmp_path, finished
     if later.exists():
       shutil.move(later, run / "checkpoints" / "6")
       shutil.rmtree(run / "checkpoints" / "4" / "params" / "ocdbt.process_0")
-    cfg, step = load.load_config(str(run), step)
+    cfg, step = checkpoint.load_config(str(run), step)
     return step, jax.tree.leaves(load.load_params(str(run), cfg, step)[1])
 
-  step, got = load.read_newest(str(run), None, read)
+  step, got = checkpoint.read_newest(str(run), None, read)
   assert chosen == [4, 6] and step == 6
   for x, y in zip(want, got):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   chosen.clear()
   shutil.rmtree(run / "checkpoints" / "4")  # the training has finished removing it
   with pytest.raises(FileNotFoundError, match="no checkpoint at step 4"):
-    load.read_newest(str(run), 4, read)
+    checkpoint.read_newest(str(run), 4, read)
   assert chosen == [4]
   chosen.clear()
   truncate_largest(str(run / "checkpoints" / "6" / "params"))
   with pytest.raises(Exception) as damage:
-    load.read_newest(str(run), None, read)
+    checkpoint.read_newest(str(run), None, read)
   assert chosen == [6] and "removed" not in str(damage.value)  # Orbax's error as it is
 
 

@@ -21,7 +21,7 @@ Training: `make_train_iterator` builds
 
 Row r of global batch k is element k*batch_size + r of the shuffled stream, whatever the number
 of hosts; a host reads only the rows its devices hold (`rows`, from the batch sharding:
-train/sharding.process_rows), and hosts whose devices hold replicas of the same rows (a tensor
+sharding.process_rows), and hosts whose devices hold replicas of the same rows (a tensor
 axis across hosts) read the same ones. So the data position is one number, the batches read so
 far: a checkpoint needs no iterator state, and a run resumes on any number of hosts and any mesh
 (`start` = the steps taken in the current phase).

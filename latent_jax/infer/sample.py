@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax.train import sharding
+from latent_jax import sharding
 
 
 def sample_token(logits, key, temperature=1.0, top_k=0, top_p=1.0):

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax.nn.drafter import draft, target_features
 from latent_jax.ops import drafting as D
+from latent_jax.nn.drafter import draft, target_features
 
 
 def write_rows(buf, values, starts, active):

@@ -17,21 +17,21 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax import cli, paths
 from latent_jax.config import validate
+from latent_jax import cli, paths
 from latent_jax.data.tokenizer import Tokenizer
+from latent_jax.nn import abstract_model
+from latent_jax import checkpoint
 from latent_jax.infer import load
 from latent_jax.interop import olmo3
 from latent_jax.interop.safetensors_stream import Reader, Writer
-from latent_jax.train import step as steps
-from latent_jax.train.checkpoint import quiet_orbax
 
 TOKENIZER_EXTRAS = ("tokenizer_config.json", "special_tokens_map.json")  # carried both ways when present
 
 
 def param_shapes(model_cfg):
   """{our path: jax.ShapeDtypeStruct} of the model's params, allocating nothing."""
-  return load.by_path(nnx.to_pure_dict(steps.abstract_model(model_cfg)[1]))
+  return checkpoint.by_path(nnx.to_pure_dict(abstract_model(model_cfg)[1]))
 
 
 def nested(path, value):
@@ -98,10 +98,10 @@ def import_hf(hf_dir, out, recipe, dtype=None):
       for name, _, layer, transposed, _ in (t for t in plan if t[1] == path):
         x = reader.read(name)
         (stacked if layer is None else stacked[layer])[...] = x.T if transposed else x
-      with quiet_orbax():
+      with checkpoint.quiet_orbax():
         ocp.v1.partial.save(staging, nested(path, stacked))
       del stacked
-    with quiet_orbax():
+    with checkpoint.quiet_orbax():
       ocp.v1.partial.finalize(staging)
     # Partial saving keeps the tree in the checkpoint's "state" item: that folder is a params-only
     # checkpoint as export.py writes one.
@@ -117,16 +117,16 @@ def export_hf(workdir, out, step=None, dtype=None, max_file_bytes=5 * 2**30):
   safetensors files of at most `max_file_bytes`. `dtype`: the tensors' (default: the model's
   compute dtype, as export.py)."""
   check_out(out)
-  cfg, step = load.load_config(workdir, step)
+  cfg, step = checkpoint.load_config(workdir, step)
   cfg = load.inference_config(cfg)
   olmo3.check_expressible(cfg.model, f"--workdir {workdir}")
-  tokenizer = load.load_tokenizer(workdir, cfg)
+  tokenizer = checkpoint.load_tokenizer(workdir, cfg)
   if tokenizer.kind != "huggingface":
     raise ValueError(f"--workdir {workdir}: its tokenizer is SentencePiece ({tokenizer.path}); transformers needs a "
                      "tokenizer.json: train with data.tokenizer set to a Hugging Face tokenizer.json.")
   dtype = np.dtype(jax.numpy.dtype(dtype or cfg.model.dtype))
-  params = (os.path.join(workdir, "params") if load.is_export(workdir)
-            else os.path.join(load.find_checkpoint(workdir, step)[0].path(step), "params"))
+  params = (os.path.join(workdir, "params") if checkpoint.is_export(workdir)
+            else os.path.join(checkpoint.find_checkpoint(workdir, step)[0].path(step), "params"))
   shapes = param_shapes(cfg.model)
   plan = olmo3.tensors({p: s.shape for p, s in shapes.items()})
   with removed_on_error(out):
@@ -153,7 +153,7 @@ def export_hf(workdir, out, step=None, dtype=None, max_file_bytes=5 * 2**30):
 
 def restore_one(params, path, shape):
   """One parameter of a params-only Orbax checkpoint, as a NumPy array (the others stay on disk)."""
-  with quiet_orbax():
+  with checkpoint.quiet_orbax():
     tree = ocp.PyTreeCheckpointer().restore(paths.absolute(params), args=ocp.args.PyTreeRestore(
         item=nested(path, shape), restore_args=nested(path, ocp.RestoreArgs(restore_type=np.ndarray)),
         partial_restore=True))

@@ -1,4 +1,7 @@
-"""Models: `build_model(config, rngs)` picks the architecture named by `model.name`."""
+"""Models: `build_model(config, rngs)` picks the architecture named by `model.name`; `abstract_model`
+builds one without allocating, and `axes_tree` reads the logical axes of its params."""
+from flax import nnx
+
 from latent_jax.nn.auxiliary import add_heads
 from latent_jax.nn.baseline import BaselineLM, ModelOutput
 from latent_jax.nn.concept import ConceptLM
@@ -21,3 +24,15 @@ def build_model(cfg, rngs):
   model = add_heads(model, whole, rngs)
   model.set_attributes(attention_impl=whole.kernels.get("attention", "auto"))
   return model
+
+
+def axes_tree(state):
+  """The logical axes of every parameter, as a dict shaped like `nnx.to_pure_dict(state)`."""
+  if isinstance(state, nnx.Variable):
+    return tuple(state.get_metadata().get("axes", ()))
+  return {k: axes_tree(v) for k, v in state.items()}
+
+
+def abstract_model(cfg):
+  """(graphdef, abstract param state) of the model, allocating nothing (cfg: as build_model takes it)."""
+  return nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.config import mtp_enabled, nitp_enabled, nitp_layer
-from latent_jax.nn.layers import TOKENS, Block, RMSNorm, param
+from latent_jax.sharding import constrain
 from latent_jax.ops import transformer as T
-from latent_jax.train.sharding import constrain
+from latent_jax.nn.layers import TOKENS, Block, RMSNorm, param
 
 
 class NITPProjector(nnx.Module):

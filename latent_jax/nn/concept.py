@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax.nn.baseline import ModelOutput, default_positions
-from latent_jax.nn.layers import TOKENS, RMSNorm, embed_lookup, kv_cache, param, remat, stacked_blocks
+from latent_jax.sharding import constrain, per_batch_shard
 from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
-from latent_jax.train.sharding import constrain, per_batch_shard
+from latent_jax.nn.baseline import ModelOutput, default_positions
+from latent_jax.nn.layers import TOKENS, RMSNorm, embed_lookup, kv_cache, param, remat, stacked_blocks
 
 CODEBOOK_INIT_STD = 0.02  # released code: codebook [S, N, d/S] ~ N(0, 0.02)
 

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax.nn.layers import RMSNorm, param, stacked_blocks
 from latent_jax.ops import concepts as C
 from latent_jax.ops import drafting as D
 from latent_jax.ops import transformer as T
+from latent_jax.nn.layers import RMSNorm, param, stacked_blocks
 
 CONCEPT_SIGNALS = ("none", "predicted", "pooled")
 

@@ -1,6 +1,6 @@
 """Thin Flax NNX layers over `latent_jax.ops.transformer`; each parameter names its logical axes.
 
-The `axes` metadata of every `nnx.Param` is read by `latent_jax.train.sharding`, which maps it
+The `axes` metadata of every `nnx.Param` is read by `latent_jax.sharding`, which maps it
 to mesh axes through one rules table. Stacked (scanned) parameters carry one extra leading
 layer axis that is not named; the sharding code treats it as replicated.
 """
@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from latent_jax.sharding import constrain
 from latent_jax.ops import attention as A
 from latent_jax.ops import transformer as T
-from latent_jax.train.sharding import constrain
 
 EMPTY_SLOT = 2**30  # the position of a cache slot not written yet
 TOKENS = ("batch", "length", "act_embed")  # logical axes of a [B, T, d] activation

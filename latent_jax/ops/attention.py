@@ -35,8 +35,8 @@ from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
 from latent_jax.config import ATTENTION_IMPLS
+from latent_jax.sharding import per_head_shard
 from latent_jax.ops import transformer as T
-from latent_jax.train.sharding import per_head_shard
 from pallas_kernels._common import backend as kernel_backend, device_kind as kernel_device_kind
 
 IMPLS = ATTENTION_IMPLS

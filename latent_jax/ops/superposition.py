@@ -12,7 +12,7 @@ EOS input's target is the next document's first token).
 import jax.numpy as jnp
 
 import pallas_kernels
-from latent_jax.train.sharding import per_batch_shard
+from latent_jax.sharding import per_batch_shard
 
 POSITION_MODES = ("bag", "token")
 

@@ -2,8 +2,8 @@
 
 Trains a new run in DIR, or resumes the one there from its latest checkpoint (README: "What can
 go wrong" says what a resume checks, and what --allow_data_change lets through)."""
-from latent_jax import cli, distributed
 from latent_jax.config import load_config
+from latent_jax import cli, distributed
 from latent_jax.train.loop import NonFiniteLoss, train
 from latent_jax.train.workdir import WorkdirBusy
 

@@ -11,12 +11,13 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from latent_jax import distributed
-from latent_jax.cli import writable_dir
 from latent_jax.config import ConfigError, validate
+from latent_jax import distributed, sharding
+from latent_jax.cli import writable_dir
 from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, save_tokenizer
-from latent_jax.infer import load
-from latent_jax.train import checkpoint, flops, phases, resume, sharding
+from latent_jax.nn import abstract_model, axes_tree
+from latent_jax import checkpoint
+from latent_jax.train import flops, phases, resume
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter, read_metrics
 from latent_jax.train.optim import build_optimizer, trainable_mask
@@ -77,8 +78,8 @@ def run(cfg, workdir, allow_data_change, started):
                                                           rows, step - phase.start)
 
   # Model and state shardings (every phase's optimiser state has the same structure).
-  graphdef, abstract_params = steps.abstract_model(cfg)  # with the training-only heads (NITP, MTP)
-  axes = steps.axes_tree(abstract_params)
+  graphdef, abstract_params = abstract_model(cfg)  # with the training-only heads (NITP, MTP)
+  axes = axes_tree(abstract_params)
   trains = trainable_mask(axes, cfg.optim.get("trainable", "all"))
   if len(plan) > 1 and cfg.tst.reinit_embeddings_at_switch:
     check_trains_embeddings(trains, cfg.optim.get("trainable", "all"))
@@ -209,7 +210,7 @@ def enter_phase(phase, cfg, tx, shardings, abstract_state, phase1):
   if phase.start == 0:
     state = steps.init_state(cfg, cfg.train.seed, tx, shardings)
     if cfg.train.get("init_from"):
-      state["params"] = load.initial_params(cfg.train.init_from, cfg, state["params"])
+      state["params"] = checkpoint.initial_params(cfg.train.init_from, cfg, state["params"])
       say(f"params from {cfg.train.init_from}")
     return state
   # The TST switch: phase 2 starts from the phase-1 result on disk (exactly as a resumed run
@@ -251,8 +252,8 @@ def finished(workdir, step, path):
 def adopt_source(cfg):
   """train.init_from: check, before anything compiles, that the source has every parameter of
   this model -> its tokenizer (the run keeps its token ids), unless data.tokenizer names another."""
-  source_cfg, _ = load.check_init_from(cfg.train.init_from, cfg, nnx.to_pure_dict(steps.abstract_model(cfg)[1]))
-  return None if cfg.data.tokenizer else load.load_tokenizer(cfg.train.init_from, source_cfg)
+  source_cfg, _ = checkpoint.check_init_from(cfg.train.init_from, cfg, nnx.to_pure_dict(abstract_model(cfg)[1]))
+  return None if cfg.data.tokenizer else checkpoint.load_tokenizer(cfg.train.init_from, source_cfg)
 
 
 def check_trains_embeddings(trains, trainable):

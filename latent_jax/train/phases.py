@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax import objectives
 from latent_jax.config import ConfigError, tst_enabled, tst_phase1_steps
 from latent_jax.data.pipeline import num_windows
 from latent_jax.nn import build_model
+from latent_jax import objectives
 from latent_jax.train import flops
 from latent_jax.train import step as steps
 

@@ -17,10 +17,9 @@ Changes to a resumed run's config fall in three kinds:
 """
 import os
 
-from latent_jax import distributed, paths
 from latent_jax.config import ConfigError
-from latent_jax.train.checkpoint import Checkpoints, config_to_json
-from latent_jax.train.workdir import move_aside
+from latent_jax import distributed, paths
+from latent_jax.checkpoint import Checkpoints, config_to_json, move_aside
 
 REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.enabled", "nitp.projector",
            "mtp.enabled", "tst.enabled", "tst.s", "tst.r", "tst.budget", "tst.superpose", "tst.positions")

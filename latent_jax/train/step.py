@@ -11,23 +11,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from latent_jax import objectives
+from latent_jax import sharding
 from latent_jax.data import FEATURES
 from latent_jax.nn import build_model
-from latent_jax.train import sharding
+from latent_jax import objectives
 from latent_jax.train.optim import trainable_mask
-
-
-def axes_tree(state):
-  """The logical axes of every parameter, as a dict shaped like `nnx.to_pure_dict(state)`."""
-  if isinstance(state, nnx.Variable):
-    return tuple(state.get_metadata().get("axes", ()))
-  return {k: axes_tree(v) for k, v in state.items()}
-
-
-def abstract_model(cfg):
-  """(graphdef, abstract param state) of the model, allocating nothing (cfg: as build_model takes it)."""
-  return nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
 
 
 def state_shardings(abstract_params, tx, mesh):

@@ -1,5 +1,5 @@
-"""What keeps a workdir whole: one training per workdir (a lock), and damaged checkpoints moved
-aside, never deleted.
+"""What keeps a workdir whole: one training per workdir (a lock). (Damaged checkpoints are moved
+aside, never deleted, by latent_jax/checkpoint.py.)
 
 The lock is WORKDIR/train.lock, held with flock(2) for the life of the training process and
 removed when it ends. The kernel drops the flock when the process dies, however it dies, so a
@@ -21,7 +21,6 @@ import time
 from latent_jax import paths
 
 LOCK_FILENAME = "train.lock"
-DAMAGED_DIRNAME = "damaged"
 
 
 class WorkdirBusy(RuntimeError):
@@ -86,21 +85,6 @@ def describe(holder):
   if not holder:
     return "holder unknown"
   return f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started')}"
-
-
-def move_aside(path, workdir, reason):
-  """Move a damaged checkpoint folder to WORKDIR/damaged/<parent>-<step>[-k], with the reason beside
-  it in <parent>-<step>[-k].txt; returns the new path."""
-  folder = os.path.join(workdir, DAMAGED_DIRNAME)
-  paths.path(folder).mkdir(parents=True, exist_ok=True)
-  base = os.path.join(folder, f"{os.path.basename(os.path.dirname(path))}-{os.path.basename(path)}")
-  target, k = base, 1
-  while paths.path(target).exists() or paths.path(target + ".txt").exists():
-    target, k = f"{base}-{k}", k + 1
-  # Written first, it also makes the folder, which in a bucket exists only once it holds a file.
-  paths.path(target + ".txt").write_text(f"{path} was unreadable: {reason}\n")
-  paths.path(path).rename(target)
-  return target
 
 
 def workdir_created(workdir):

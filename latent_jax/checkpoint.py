@@ -1,4 +1,5 @@
-"""Orbax checkpoints of a run: params, optimiser state and metadata.
+"""Orbax checkpoints of a run: params, optimiser state and metadata; written by the training, read by
+it and by everything that loads a model (eval, generate, export, draft, convert, train.init_from).
 
 Layout: WORKDIR/checkpoints/STEP/{params, opt_state, meta, tokenizer}; TST runs also keep their
 phase-1 result in WORKDIR/phase1/STEP/..., which max_to_keep never removes. `params` is its
@@ -13,7 +14,11 @@ never touch a training's in-flight temporary folders.
 No data iterator state is saved: the data position is the step (data/pipeline.py), so a run
 resumes on any number of hosts. (Checkpoints from before kept a `data` item; it is ignored.)
 Arrays are restored into the shardings of the target given, whatever mesh and process count
-saved them.
+saved them. A checkpoint that cannot be read is moved to WORKDIR/damaged/ (`move_aside`), never deleted.
+
+Readers also take an export folder (`python -m latent_jax.export`): it holds `params/`,
+`config.json` and the tokenizer file, where a workdir keeps the config in each checkpoint's
+metadata and the tokenizer file beside them.
 """
 import base64
 import contextlib
@@ -26,13 +31,16 @@ import time
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 
-from latent_jax import distributed, paths
-from latent_jax.train.workdir import move_aside
-
+from latent_jax.config import config_from_json
+from latent_jax import distributed, paths, sharding
+from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
+from latent_jax.nn import abstract_model
 
 LIST_ATTEMPTS = 5
 TOKENIZER = "tokenizer"  # the item holding the tokenizer file, and its key in meta
+DAMAGED_DIRNAME = "damaged"
 
 
 class Checkpoints:
@@ -228,3 +236,152 @@ def restore_tokenizer(workdir, log=print):
 
 def config_to_json(cfg):
   return json.loads(cfg.to_json_best_effort())
+
+
+def move_aside(path, workdir, reason):
+  """Move a damaged checkpoint folder to WORKDIR/damaged/<parent>-<step>[-k], with the reason beside
+  it in <parent>-<step>[-k].txt; returns the new path."""
+  folder = os.path.join(workdir, DAMAGED_DIRNAME)
+  paths.path(folder).mkdir(parents=True, exist_ok=True)
+  base = os.path.join(folder, f"{os.path.basename(os.path.dirname(path))}-{os.path.basename(path)}")
+  target, k = base, 1
+  while paths.path(target).exists() or paths.path(target + ".txt").exists():
+    target, k = f"{base}-{k}", k + 1
+  # Written first, it also makes the folder, which in a bucket exists only once it holds a file.
+  paths.path(target + ".txt").write_text(f"{path} was unreadable: {reason}\n")
+  paths.path(path).rename(target)
+  return target
+
+
+READ_ATTEMPTS = 10  # reads of a newest step that a training removed meanwhile, before giving up
+
+
+def is_export(directory):
+  return paths.path(os.path.join(directory, "config.json")).is_file() and paths.path(os.path.join(directory, "params")).is_dir()
+
+
+def find_checkpoint(directory, step=None):
+  """(manager, step) of the given or newest checkpoint: regular ones, or a TST phase-1 result."""
+  managers = [Checkpoints(directory, subdir=sub, read_only=True) for sub in ("checkpoints", "phase1")
+              if paths.path(os.path.join(directory, sub)).is_dir()]
+  found = [(s, m) for m in managers for s in m.manager.all_steps() if step is None or s == step]
+  if not found:
+    what = f"no checkpoint at step {step}" if step else "no checkpoints"
+    raise FileNotFoundError(f"--workdir {directory!r} has {what} and is not an export folder; "
+                            f"train first (python -m latent_jax.train ... --workdir {directory}).")
+  step, manager = max(found, key=lambda x: x[0])
+  return manager, step
+
+
+def read_newest(directory, step, read):
+  """read(step) for the given step, or, when `step` is None, for the workdir's newest checkpoint.
+
+  A training saving into the workdir meanwhile removes its older steps (train.keep_checkpoints),
+  maybe the one being read; what that raises depends on which file went first (KeyError,
+  FileNotFoundError, ValueError or a bare Exception from Orbax). So a failed read is judged by the
+  listing, not by its type: when the newest step has changed since it was chosen, the newest is read instead; a
+  step that is still the newest failed for another reason (damage), raised as it is. A step given
+  by number, an export folder and a multi-host reader (whose processes would each choose their own
+  step) read once.
+  """
+  if step is not None or is_export(directory) or jax.process_count() > 1:
+    return read(step)
+  for _ in range(READ_ATTEMPTS):
+    _, chosen = find_checkpoint(directory)
+    try:
+      return read(chosen)
+    except Exception as e:  # pylint: disable=broad-except  # judged by the listing below, else raised
+      if find_checkpoint(directory)[1] == chosen:
+        raise
+      last = f"{type(e).__name__}: {e}"
+  raise FileNotFoundError(f"--workdir {directory!r}: the training saving there removed the newest checkpoint while "
+                          f"it was being read, {READ_ATTEMPTS} times in a row (last: {last[:300]}); read it once the "
+                          "training has finished, or train with a larger train.keep_checkpoints.")
+
+
+def load_config(directory, step=None):
+  """(config, step) of a workdir's latest (or given) checkpoint, or of an export folder. A workdir's
+  lost or damaged tokenizer file is restored from its checkpoints first (restore_tokenizer)."""
+  if is_export(directory):
+    return config_from_json(json.loads(paths.path(os.path.join(directory, "config.json")).read_text())), None
+  manager, step = find_checkpoint(directory, step)
+  restore_tokenizer(directory)
+  return config_from_json(manager.restore_meta(step)["config"]), step
+
+
+def placement(cfg, mesh=None):
+  """{"a/b/c": NamedSharding} of every parameter a checkpoint of `cfg` holds, on `mesh`; by default
+  sharding.inference_mesh's: the training's layout wherever the devices here allow it."""
+  mesh = mesh or sharding.inference_mesh(cfg.mesh)
+  _, saved = abstract_model(cfg)
+  return by_path(nnx.to_pure_dict(sharding.state_shardings(saved, mesh)))
+
+
+def saved_params(directory, cfg, step=None, shardings=None):
+  """Every parameter the checkpoint (or export) holds, training-only heads included, placed by
+  `shardings` ({"a/b/c": sharding}) where given, else as `placement(cfg)`: whatever mesh and
+  number of processes saved them."""
+  _, saved = abstract_model(cfg)
+  shardings = {**placement(cfg), **(shardings or {})}
+  target = jax.tree_util.tree_map_with_path(
+      lambda p, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[path_name(p)]),
+      nnx.to_pure_dict(saved))
+  if is_export(directory):
+    read = lambda: read_item(os.path.join(directory, "params"), ocp.args.StandardRestore(target))
+  else:
+    manager, step = find_checkpoint(directory, step)
+    read = lambda: manager.restore_params(step, target)
+  return distributed.on_all("load params", read, "those hosts read a damaged part of them, or see the shared file "
+                            "system differently (a stale or missing mount); check them.")
+
+
+def check_init_from(directory, cfg, params, step=None):
+  """(source config, step) of train.init_from = `directory` (its newest checkpoint, or `step`),
+  once every parameter of `params` (this run's, arrays or abstract) is known to be there with its
+  shape: anything but a training-only head (NITP, MTP) that the source lacks means the models
+  differ, an error."""
+  if not (is_export(directory) or any(paths.path(os.path.join(directory, sub)).is_dir() for sub in ("checkpoints", "phase1"))):
+    raise FileNotFoundError(f"train.init_from: {directory!r} is neither a training workdir with checkpoints nor "
+                            "an export folder; give a run's --workdir or a `python -m latent_jax.export` folder.")
+  source_cfg, step = load_config(directory, step)
+  source = by_path(nnx.to_pure_dict(abstract_model(source_cfg)[1]))
+  inference = by_path(nnx.to_pure_dict(abstract_model(cfg.model)[1]))
+  for name, x in by_path(params).items():
+    if name not in source and name in inference:
+      raise ValueError(f"train.init_from: {directory} has no parameter {name!r}; its model config differs from "
+                       f"this run's (source model.name={source_cfg.model.name!r}); start from a run of the same model.")
+    if name in source and source[name].shape != x.shape:
+      raise ValueError(f"train.init_from: parameter {name!r} is {source[name].shape} in {directory} but {x.shape} "
+                       "here; the model configs differ, copy the source's model section.")
+  return source_cfg, step
+
+
+def initial_params(directory, cfg, fresh):
+  """The params a run starts from with train.init_from = `directory`: each of `fresh` (this run's
+  initialised params) replaced by the source's, in fresh's dtype and sharding, except
+  training-only heads the source was trained without, which keep their fresh init."""
+  placed = {name: x.sharding for name, x in by_path(fresh).items()}
+
+  def read(step):  # the source may be a run still training
+    source_cfg, step = check_init_from(directory, cfg, fresh, step)
+    return by_path(saved_params(directory, source_cfg, step, placed))
+  source = read_newest(directory, None, read)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: source[path_name(p)].astype(x.dtype) if path_name(p) in source else x, fresh)
+
+
+def path_name(path):
+  return "/".join(str(k.key) for k in path)
+
+
+def by_path(tree):
+  """{"a/b/c": leaf} of a nested dict."""
+  return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def load_tokenizer(directory, cfg):
+  path = find_tokenizer(directory) or cfg.data.tokenizer
+  if not path or not paths.path(path).is_file():
+    raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {directory!r} and data.tokenizer="
+                            f"{cfg.data.tokenizer!r} is not a file; copy the run's tokenizer file there.")
+  return Tokenizer(path)
