@@ -1,4 +1,4 @@
-"""Imports flow one way: a module imports its own layer and those below it, never one above (README,
+"""Imports flow one way: a module imports its own layer and those below it, never one above (docs/code.md,
 "Layers"). The sources are parsed, not imported: no jax, a fraction of a second."""
 import ast
 import pathlib
