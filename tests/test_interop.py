@@ -101,10 +101,17 @@ def test_round_trip_without_torch(tmp_path, tokenizer_file, file_bytes):
   assert imported.model.yarn_attention_factor == pytest.approx(0.1 * np.log(4.0) + 1)
   assert open(os.path.join(back, "tokenizer.json"), "rb").read() == open(tokenizer_file, "rb").read()
   assert open(os.path.join(back, "tokenizer_config.json")).read() == open(tmp_path / "hf" / "tokenizer_config.json").read()
-  run = load_config(TINY, OURS + [f"train.init_from={back}"])
-  fresh = nnx.to_pure_dict(nnx.state(build_model(run, nnx.Rngs(0))))
-  start = checkpoint.by_path(checkpoint.initial_params(back, run, fresh))
-  np.testing.assert_array_equal(np.asarray(start["blocks/blocks/mlp/gate"]), params["blocks/blocks/mlp/gate"])
+  # Continued pretraining from the import: plain NTP, with NITP (whose projector the import lacks and
+  # keeps its fresh init) and with TST (the same model, trained on bags first).
+  tst = os.path.join(os.path.dirname(TINY), "tiny_tst.py")
+  for config, extra in ((TINY, []), (TINY, ["nitp.enabled=True"]), (tst, [])):
+    run = load_config(config, OURS + extra + [f"train.init_from={back}"])
+    fresh = nnx.to_pure_dict(nnx.state(build_model(run, nnx.Rngs(0))))
+    start, init = checkpoint.by_path(checkpoint.initial_params(back, run, fresh)), checkpoint.by_path(fresh)
+    assert start.keys() == init.keys()
+    for path, value in start.items():
+      np.testing.assert_array_equal(np.asarray(value), params.get(path, np.asarray(init[path])), err_msg=path)
+    assert any(path.startswith("nitp") for path in start) == bool(extra)
 
 
 @pytest.fixture(scope="module")
