@@ -183,12 +183,7 @@ def quiet_orbax():
 def layout(tree):
   """{"a/0/b": shape} of a pytree, dict keys, sequence indices and attribute names alike (a NamedTuple
   optimiser state is saved as a list)."""
-  def name(k):
-    for attr in ("key", "idx", "name"):
-      if hasattr(k, attr):
-        return str(getattr(k, attr))
-    return str(k)
-  return {"/".join(map(name, p)): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {name: tuple(x.shape) for name, x in by_path(tree).items()}
 
 
 def has_checkpoints(workdir):
@@ -371,11 +366,12 @@ def initial_params(directory, cfg, fresh):
 
 
 def path_name(path):
-  return "/".join(str(k.key) for k in path)
+  """"a/0/c" of a key path; an nnx.List's int index is written as its digits."""
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def by_path(tree):
-  """{"a/b/c": leaf} of a nested dict."""
+  """{"a/b/c": leaf} of a pytree (the keys of checkpoint.placement and of the names on disk)."""
   return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 

@@ -23,7 +23,6 @@ from latent_jax.data.pipeline import num_windows
 from latent_jax.nn import build_model
 from latent_jax import objectives
 from latent_jax.train import flops
-from latent_jax.train import step as steps
 
 # Parameters that TST's Table-2 ablation re-initialises at the switch.
 EMBEDDING_PARAMS = ("embed", "lm_head")
@@ -124,7 +123,7 @@ def reinit_embeddings(state, model_cfg, seed, shardings):
     new = nnx.to_pure_dict(nnx.state(build_model(model_cfg, nnx.Rngs(seed + 1))))
     names = [k for k in EMBEDDING_PARAMS if k in state["params"]]
     params = {**state["params"], **{k: new[k] for k in names}}
-    zero = lambda path, x: jnp.zeros_like(x) if steps.dict_keys(path)[-1:] in [(k,) for k in names] else x
+    zero = lambda path, x: jnp.zeros_like(x) if path and getattr(path[-1], "key", None) in names else x
     opt_state = jax.tree_util.tree_map_with_path(zero, state["opt_state"])
     return {**state, "params": params, "opt_state": opt_state}
   return jax.jit(fresh, out_shardings=shardings, donate_argnums=0)(state)

@@ -17,6 +17,8 @@ Changes to a resumed run's config fall in three kinds:
 """
 import os
 
+from flax.traverse_util import flatten_dict
+
 from latent_jax.config import ConfigError
 from latent_jax import distributed, paths
 from latent_jax.checkpoint import Checkpoints, config_to_json, move_aside
@@ -36,20 +38,9 @@ def matches(field, names):
   return any(field == n or (n.endswith(".") and field.startswith(n)) for n in names)
 
 
-def flatten(tree, prefix=""):
-  """{"a.b.c": value} of a nested dict (a config as saved in checkpoint metadata)."""
-  out = {}
-  for k, v in tree.items():
-    if isinstance(v, dict):
-      out.update(flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 def config_changes(saved, now):
   """[(field, saved value, value now)] of every field that differs (nested config dicts)."""
-  saved, now = flatten(saved), flatten(now)
+  saved, now = flatten_dict(saved, sep="."), flatten_dict(now, sep=".")
   missing = object()
   changes = []
   for field in sorted(set(saved) | set(now)):

@@ -26,23 +26,18 @@ def state_shardings(abstract_params, tx, mesh):
   """
   params = nnx.to_pure_dict(sharding.state_shardings(abstract_params, mesh))
   shapes = nnx.to_pure_dict(abstract_params)
-  by_path = {dict_keys(path): (s, shapes_leaf.shape) for (path, s), shapes_leaf in
+  by_path = {tuple(path): (s, shapes_leaf.shape) for (path, s), shapes_leaf in
              zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(shapes))}
 
   def follow(path, leaf):
-    keys = dict_keys(path)
-    for start in range(len(keys)):
-      hit = by_path.get(keys[start:])
+    for start in range(len(path)):
+      hit = by_path.get(tuple(path[start:]))
       if hit and hit[1] == leaf.shape:
         return hit[0]
     return sharding.replicated(mesh)
 
   opt = jax.tree_util.tree_map_with_path(follow, jax.eval_shape(tx.init, shapes))
   return {"params": params, "opt_state": opt, "step": sharding.replicated(mesh)}
-
-
-def dict_keys(path):
-  return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
 def init_state(cfg, seed, tx, shardings):
