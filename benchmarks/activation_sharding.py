@@ -13,6 +13,7 @@ global batch (B, T) as leading dims (occurrences in its text), against the per-d
 import contextlib
 import os
 import re
+import sys
 
 from latent_jax import cli
 
@@ -23,20 +24,19 @@ def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
-    measure(args.config, args.overrides)
+    measure(args.config, sys.argv[1:] if argv is None else argv)
 
 
-def measure(path, overrides):
+def measure(cfg, argv):
   import jax  # after XLA_FLAGS
   import numpy as np
 
-  from latent_jax import load_config, objectives, sharding
+  from latent_jax import objectives, sharding
   from latent_jax.data import FEATURES
   from latent_jax.nn import abstract_model, axes_tree
   from latent_jax.train import step as steps
   from latent_jax.train.optim import build_optimizer
 
-  cfg = load_config(path, overrides)
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, abstract = abstract_model(cfg)
   tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
@@ -46,7 +46,7 @@ def measure(path, overrides):
   rows = jax.ShapeDtypeStruct((b, t), np.int32, sharding=sharding.batch_sharding(mesh))
   local = b // (mesh.shape["data"] * mesh.shape["fsdp"])
   print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(mesh.shape)}, "
-        f"{path} {' '.join(overrides)}")
+        f"{' '.join(argv)}")
   print("| activations | temp MiB | shapes [B, T, ...] in the HLO | shapes [B/shards, T, ...] |")
   print("|---|---|---|---|")
   for name, use_mesh in [("constrained", sharding.use_mesh), ("XLA propagation only", None)]:

@@ -8,12 +8,13 @@ reports its MFU against (train/flops.py's peak_flops): the data sheet's for a kn
 (bf16 dense), else a large matmul measured in this process in the model's compute dtype.
 """
 import json
+import sys
 import time
 
 import jax
 import numpy as np
 
-from latent_jax import cli, load_config, objectives, sharding
+from latent_jax import cli, objectives, sharding
 from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import flops
 from latent_jax.train import step as steps
@@ -26,18 +27,17 @@ FLAGS = [cli.CONFIG, cli.Flag("steps", int, 10, "timed steps", lambda n: n >= 1,
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
-    measure(args.config, args.overrides, args.steps)
+    measure(args.config, args.steps, sys.argv[1:] if argv is None else argv)
 
 
-def measure(path, overrides, n_steps):
-  cfg = load_config(path, overrides)
+def measure(cfg, n_steps, argv):
   compile_s, times, _, _ = step_times(cfg, n_steps)
   b, t = cfg.data.batch_size, cfg.data.seq_len
   step_s = float(np.median(times))
   flops_per_token = flops.flops_per_token(cfg, t)
   peak, source = flops.peak_flops(cfg.train.peak_flops, jax.numpy.dtype(cfg.model.dtype))
   result = {
-      "config": path, "overrides": overrides, "device": jax.devices()[0].device_kind,
+      "argv": argv, "device": jax.devices()[0].device_kind,
       "devices": jax.device_count(), "compile_s": round(compile_s, 2), "step_s": round(step_s, 4),
       "tokens_per_s": round(b * t / step_s, 1), "train_flops_per_token": flops_per_token,
       "flops_per_s": b * t * flops_per_token / step_s, "peak_flops_per_s": peak * jax.device_count(),

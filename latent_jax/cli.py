@@ -4,43 +4,53 @@
 
   def main(argv=None):
     with cli.errors():
-      args = cli.parse(__doc__, FLAGS, argv)   # args.config, args.overrides, args.workdir
+      args = cli.parse(__doc__, FLAGS, argv)   # args.config (a validated ConfigDict), args.workdir
       ...
 
-Flags are written `--name=value` or `--name value`; with CONFIG declared, `--config.a.b=v` (or
-`--config.a.b v`) overrides a config field. An unknown flag, a value of the wrong type or out of
-range, and any bad setting, path or file met later end the command with `error: ...` on stderr,
-one line, exit code 2. Anything else is a bug and keeps its traceback.
+absl parses the flags, each command's in a fresh FlagValues (commands run in-process, repeatedly,
+in tests): `--name=value` or `--name value`; a bool flag is `--name`, `--noname` or `--name=true`.
+With a config flag (type ConfigDict, CONFIG), `--config FILE[:ARG]` loads a config file and
+`--config.a.b=v` (or `--config.a.b v`) overrides a field through ml_collections.config_flags
+(config.apply_overrides). An unknown flag, a value of the wrong type or out of range, and any bad
+setting, path or file met later end the command with `error: ...` on stderr, one line, exit code 2.
+Anything else is a bug and keeps its traceback.
 
 Flags that several commands take are constants here (CONFIG, STEP); a command's FLAGS is a plain
 list, so a shared group of them is added with `+`.
 """
 import contextlib
 import os
+import re
 import sys
 import types
 from typing import Callable, NamedTuple
 
+import ml_collections
+from absl import flags
+
 from latent_jax import paths
+from latent_jax.config import apply_overrides, read_config, validate
 
 REQUIRED = object()  # a Flag default: the flag must be given
 
 
 class Flag(NamedTuple):
   name: str
-  type: type                    # str, int, float, or bool (a switch: `--name` alone means true)
+  type: type                    # str, int, float, bool (a switch), or ConfigDict (a config file, loaded)
   default: object               # REQUIRED, or the value when the flag is not given (None: unset)
   help: str
   ok: Callable = None           # a check of the parsed value ...
   rule: str = ""                # ... and what it asks, for the error: ">= 1" says "must be >= 1"
 
 
-CONFIG = Flag("config", str, REQUIRED, "config file, e.g. configs/tiny.py; --config.a.b=v then overrides a field")
+CONFIG = Flag("config", ml_collections.ConfigDict, REQUIRED,
+              "config file, e.g. configs/tiny.py (FILE:ARG picks a variant); --config.a.b=v then overrides a field")
 STEP = Flag("step", int, None, "the checkpoint to load, by step; the latest when not given", lambda s: s >= 0, ">= 0")
 
 # Bad input: a setting, a path or a file. ConfigError and UnicodeDecodeError are ValueErrors.
 EXPECTED = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
-TYPE_NAMES = {str: "TEXT", int: "INT", float: "FLOAT", bool: ""}
+DEFINES = {str: flags.DEFINE_string, int: flags.DEFINE_integer, float: flags.DEFINE_float, bool: flags.DEFINE_bool,
+           ml_collections.ConfigDict: flags.DEFINE_string}  # the config's path; parse loads it
 
 
 @contextlib.contextmanager
@@ -58,69 +68,48 @@ def errors(*more):
     raise SystemExit(2) from None
 
 
-def parse(doc, flags, argv=None):
-  """argv (default sys.argv[1:]) -> a namespace of the flags' values, plus `overrides`
-  (["a.b=v", ...]) when CONFIG is among them. `--help` or `-h` prints usage and exits 0."""
+def parse(doc, declared, argv=None):
+  """argv (default sys.argv[1:]) -> a namespace of the flags' values; the config flag's (named
+  "config") is its file's config with the `--config.a.b=v` overrides applied, validated (None when
+  not given). `--help` or `-h` prints usage and exits 0."""
   argv = sys.argv[1:] if argv is None else list(argv)
+  values = flags.FlagValues()
+  for f in declared:
+    notes = ([f"must be {f.rule}"] if f.rule else []) + (["required"] if f.default is REQUIRED else [])
+    DEFINES[f.type](f.name, None if f.default is REQUIRED else f.default,
+                    f.help + (f" ({'; '.join(notes)})" if notes else ""), flag_values=values, module_name="flags")
+    if f.ok:
+      flags.register_validator(f.name, lambda v, ok=f.ok: v is None or ok(v), f"must be {f.rule}", values)
   if "--help" in argv or "-h" in argv:
-    print(usage(doc, flags))
+    print(doc.strip() + "\n" + values.get_help(include_special_flags=False))
     raise SystemExit(0)
-  known = {f.name: f for f in flags}
-  values, overrides = {}, []
-  while argv:
-    arg = argv.pop(0)
-    if not arg.startswith("--"):
-      raise ValueError(f"unexpected argument {arg!r}; flags look like --name=value (see --help).")
-    name, eq, raw = arg[2:].partition("=")
-    name = name.replace("-", "_")
-    if not eq and name in known and known[name].type is bool:
-      raw = "true"
-    elif not eq:
-      if not argv or argv[0].startswith("--"):
-        raise ValueError(f"--{name} needs a value: --{name}=VALUE.")
-      raw = argv.pop(0)
-    if name.startswith("config.") and "config" in known:
-      overrides.append(f"{name.removeprefix('config.')}={raw}")
-    elif name in known:
-      values[name] = convert(known[name], raw)
-    else:
-      raise ValueError(f"unknown flag --{name}; the flags are "
-                       + ", ".join(f"--{f.name}" for f in flags)
-                       + (", --config.a.b=v" if "config" in known else "") + " (see --help).")
-  missing = [f"--{f.name}" for f in flags if f.default is REQUIRED and f.name not in values]
+  try:
+    rest = values(["", *argv], known_only=True)[1:]  # what is not a declared flag: overrides, or mistakes
+  except flags.Error as e:  # absl's "flag --NAME=VALUE: why": add what the flag takes ("an integer")
+    name = re.match(r"flag --(\w+)=", str(e))
+    takes = name and values[name[1]].parser.syntactic_help
+    raise ValueError(f"{e}" + (f"; --{name[1]} takes {takes}" if takes else "") + " (see --help).") from None
+  has_config = any(f.type is ml_collections.ConfigDict for f in declared)
+  cfg = None
+  if has_config and values["config"].value is not None:
+    cfg = read_config(values["config"].value)
+    rest = apply_overrides(cfg, rest)
+  for arg in rest:
+    if arg.startswith("-"):
+      raise ValueError(f"unknown flag {arg.partition('=')[0]}; the flags are "
+                       + ", ".join(f"--{f.name}" for f in declared)
+                       + (", --config.a.b=v" if has_config else "") + " (see --help).")
+    raise ValueError(f"unexpected argument {arg!r}; flags look like --name=value, a switch like --name or --noname "
+                     "(see --help).")
+  # Not flags.mark_flag_as_required: its check runs inside the parse, before a stray word above is told apart.
+  missing = [f"--{f.name}" for f in declared if f.default is REQUIRED and values[f.name].value is None]
   if missing:
     raise ValueError(f"missing {' and '.join(missing)} (see --help).")
-  return types.SimpleNamespace(**{f.name: values.get(f.name, f.default) for f in flags}, overrides=overrides)
-
-
-def convert(flag, raw):
-  if flag.type is bool:
-    if raw.lower() not in ("true", "false", "1", "0"):
-      raise ValueError(f"--{flag.name}={raw}: expected true or false.")
-    return raw.lower() in ("true", "1")
-  try:
-    value = flag.type(raw)
-  except ValueError:
-    raise ValueError(f"--{flag.name}={raw}: expected {'an integer' if flag.type is int else 'a number'}.") from None
-  if flag.ok and not flag.ok(value):
-    raise ValueError(f"--{flag.name}={raw}: must be {flag.rule}.")
-  return value
-
-
-def usage(doc, flags):
-  lines = [doc.strip(), "", "flags:"]
-  names = {f.name: f"  --{f.name} {TYPE_NAMES[f.type]}" for f in flags}
-  width = max(28, *(len(n) + 2 for n in names.values()))
-  for f in flags:
-    notes = [f"must be {f.rule}"] if f.rule else []
-    if f.default is REQUIRED:
-      notes.append("required")
-    elif f.default is not None:
-      notes.append(f"default {f.default!r}")
-    lines.append(f"{names[f.name]:<{width}}{f.help}" + (f" ({'; '.join(notes)})" if notes else ""))
-  if any(f.name == "config" for f in flags):
-    lines.append(f"{'  --config.a.b=VALUE':<{width}}override a field of the config (configs/tiny.py lists them)")
-  return "\n".join(lines)
+  args = types.SimpleNamespace(**{f.name: values[f.name].value for f in declared})
+  if cfg is not None:
+    validate(cfg)
+    args.config = cfg
+  return args
 
 
 def writable_dir(path, flag):

@@ -3,7 +3,6 @@
 Validation runs before anything is traced or compiled, and every error names the field
 and what to do about it.
 """
-import ast
 import importlib.util
 import inspect
 import json
@@ -12,6 +11,8 @@ import re
 import sys
 
 import ml_collections
+from absl import flags
+from ml_collections import config_flags
 
 KERNEL_IMPLS = ("auto", "pallas", "pallas_interpret", "xla", "naive")
 ATTENTION_IMPLS = ("auto", "dense", "xla_blocked", "pallas_tpu", "pallas_gpu", "cudnn")  # ops/attention.py
@@ -28,14 +29,21 @@ def load_config(path, overrides=()):
 
   `path` may end in `:ARG` (as in configs/ncp_ladder.py:vanilla): the file's `get_config(ARG)`
   then picks a variant. A `.json` file is a saved config, such as an export folder's config.json.
+  An override is what `--config.a.b=v` sets on a command line (apply_overrides).
   """
+  cfg = read_config(path)
+  apply_overrides(cfg, [f"--config.{item}" for item in overrides])
+  validate(cfg)
+  return cfg
+
+
+def read_config(path):
+  """The config of a config file (`file.py` or `file.py:ARG`) or of a saved config.json, as written there."""
+  # Not config_flags.DEFINE_config_file: it loads .py files only, and without their folder on
+  # sys.path (configs import their neighbours); config_flags applies the overrides (apply_overrides).
   if path.endswith(".json") and os.path.isfile(path):  # an export's config.json (python -m latent_jax.export)
     with open(path) as f:
-      cfg = config_from_json(json.load(f))
-    for item in overrides:
-      apply_override(cfg, item)
-    validate(cfg)
-    return cfg
+      return config_from_json(json.load(f))
   arg = None
   if not os.path.isfile(path) and ":" in path:
     path, arg = path.rsplit(":", 1)
@@ -53,11 +61,7 @@ def load_config(path, overrides=()):
     raise ConfigError(f"--config {path!r} defines no get_config(); it must return an ml_collections.ConfigDict.")
   if arg is not None and not inspect.signature(module.get_config).parameters:
     raise ConfigError(f"--config {path}:{arg}: this config takes no argument; drop ':{arg}'.")
-  cfg = module.get_config() if arg is None else module.get_config(arg)
-  for item in overrides:
-    apply_override(cfg, item)
-  validate(cfg)
-  return cfg
+  return module.get_config() if arg is None else module.get_config(arg)
 
 
 def config_from_json(obj):
@@ -68,39 +72,33 @@ def config_from_json(obj):
   return ml_collections.ConfigDict(obj)
 
 
-def apply_override(cfg, item):
-  """Set `a.b.c=value` in cfg, parsing value by the type of the field it replaces."""
-  key, sep, raw = item.partition("=")
-  key = key.removeprefix("--").removeprefix("config.")
-  if not sep:
-    raise ConfigError(f"override {item!r}: write it as --config.{key}=VALUE.")
+def apply_overrides(cfg, argv):
+  """Set the fields that argv's `--config.a.b=v` (or `--config.a.b v`) name, by
+  ml_collections.config_flags: each value parsed as its field's type; the config is locked after,
+  so a field it lacks cannot be added. Returns argv's other arguments (flags and words), in order."""
+  for arg in argv:
+    if arg.startswith("--config."):
+      check_field(cfg, arg.partition("=")[0].removeprefix("--config."))
+  values = flags.FlagValues()  # a fresh one: config_flags reads the overrides from this argv when it is defined
+  config_flags.DEFINE_config_dict("config", cfg, flag_values=values, sys_argv=["config", *argv])
+  try:
+    return values(["config", *argv], known_only=True)[1:]
+  except flags.Error as e:
+    raise ConfigError(f"{e}; give a value of the type the config file gives the field.") from None
+
+
+def check_field(cfg, key):
+  """Refuse an override of a field the config lacks, naming the section's fields (config_flags'
+  own error names the last key alone)."""
   *parents, leaf = key.split(".")
   node = cfg
   for i, name in enumerate(parents):
     if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
-      raise ConfigError(f"override {item!r}: {'.'.join(parents[:i + 1])} is not a config section; "
+      raise ConfigError(f"--config.{key}: {'.'.join(parents[:i + 1])} is not a config section; "
                         f"sections are {sorted(k for k, v in node.items() if isinstance(v, ml_collections.ConfigDict))}.")
     node = node[name]
   if leaf not in node:
-    raise ConfigError(f"override {item!r}: {key} is not a config field; fields here are {sorted(node.keys())}.")
-  node[leaf] = parse_value(raw, node[leaf], key)
-
-
-def parse_value(raw, current, key):
-  try:
-    if isinstance(current, bool):
-      if raw.lower() not in ("true", "false", "1", "0"):
-        raise ValueError(raw)
-      return raw.lower() in ("true", "1")
-    if isinstance(current, int):
-      return int(raw)
-    if isinstance(current, float):
-      return float(raw)
-    if isinstance(current, str) or current is None:
-      return raw
-    return type(current)(ast.literal_eval(raw))
-  except (ValueError, SyntaxError):
-    raise ConfigError(f"--config.{key}={raw}: expected a value like {current!r} ({type(current).__name__}).") from None
+    raise ConfigError(f"--config.{key}: {key} is not a config field; fields here are {sorted(node.keys())}.")
 
 
 def check(ok, field, message):

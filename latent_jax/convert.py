@@ -14,15 +14,15 @@ Tensors are converted one at a time: memory stays near the largest stacked param
 """
 import jax
 
-from latent_jax.config import DTYPES, load_config
+from latent_jax.config import DTYPES
 from latent_jax import cli, distributed
 from latent_jax.interop import hf
 
 FLAGS = [cli.Flag("hf", str, None, "a Hugging Face OLMo-3 folder to import"),
          cli.Flag("workdir", str, None, "a baseline run's workdir or an export folder, to export to Hugging Face"),
          cli.Flag("out", str, cli.REQUIRED, "the folder to write, which must not exist yet"),
-         cli.Flag("config", str, None, "with --hf: the recipe whose sections but the model the export carries; "
-                  "--config.a.b=v then overrides a field"), cli.STEP,
+         cli.CONFIG._replace(default=None, help="with --hf: the recipe whose sections but the model the export "
+                             "carries; --config.a.b=v then overrides a field"), cli.STEP,
          cli.Flag("dtype", str, None, "the parameters' dtype", lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}"),
          ] + distributed.FLAGS
 
@@ -38,9 +38,9 @@ def convert(args):
     if not args.config:
       raise ValueError("--hf needs --config: the recipe whose data, train and optim sections the export carries "
                        "(e.g. configs/olmo3_7b.py); its model section comes from config.json.")
-    hf.import_hf(args.hf, args.out, load_config(args.config, args.overrides), args.dtype)
+    hf.import_hf(args.hf, args.out, args.config, args.dtype)
   else:
-    if args.config or args.overrides:
+    if args.config:
       raise ValueError("--config goes with --hf; an export to Hugging Face takes the run's own config.")
     hf.export_hf(args.workdir, args.out, args.step, args.dtype)
   return args.out

@@ -18,7 +18,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax.config import ConfigError, load_config
+from latent_jax.config import ConfigError
 from latent_jax import cli, distributed, paths
 from latent_jax.data import build_data, make_train_iterator, make_val_batches
 from latent_jax.data.pipeline import num_windows
@@ -183,7 +183,7 @@ def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    result = run(load_config(args.config, args.overrides), args.workdir)
+    result = run(args.config, args.workdir)
     print(json.dumps({k: result[k] for k in ("val_loss", "slot_accuracy", "mal", "prompts", "rounds")}))
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from latent_jax.config import load_config, validate
+from latent_jax.config import validate
 from latent_jax import cli, distributed, sharding
 from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import phases
@@ -306,7 +306,7 @@ def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    result = plan(load_config(args.config, args.overrides), args.topology, args.hbm_gib, args.slices)
+    result = plan(args.config, args.topology, args.hbm_gib, args.slices)
   print(json.dumps(result))
   raise SystemExit(0 if result["fits"] else 1)
 

@@ -29,7 +29,6 @@ import jax
 import numpy as np
 import tqdm
 
-from latent_jax.config import load_config, validate
 from latent_jax import cli, distributed, paths
 from latent_jax.data import store
 from latent_jax.data.corpus import NAMED_SOURCES, cuttable, document_key, held_out, read_documents, resolve_files
@@ -296,7 +295,7 @@ def check_visible(out):
   print(f"process {jax.process_index()}: {out} holds the finished store of process 0 ({len(manifest['shards'])} shards)")
 
 
-FLAGS = [cli.Flag("config", str, None, "config file (data.*, model.vocab_size); --config.a.b=v overrides a field"),
+FLAGS = [cli.CONFIG._replace(default=None, help="config file (data.*, model.vocab_size); --config.a.b=v overrides a field"),
          cli.Flag("out", str, cli.REQUIRED, "the store's folder: new, or an unfinished store to resume"),
          cli.Flag("workers", int, os.cpu_count(), "tokenising processes", lambda n: n >= 1, ">= 1"),
          cli.Flag("shard_mb", float, 64.0, "text per shard, in MB", lambda x: x > 0, "> 0"),
@@ -314,9 +313,7 @@ def main(argv=None):
       return
     if args.config is None:
       raise ValueError("missing --config (see --help).")
-    cfg = load_config(args.config, args.overrides)
-    validate(cfg)
-    distributed.on_primary("prepare", lambda: prepare(cfg, args.out, args.workers, args.shard_mb, args.sample_mb), *cli.EXPECTED)
+    distributed.on_primary("prepare", lambda: prepare(args.config, args.out, args.workers, args.shard_mb, args.sample_mb), *cli.EXPECTED)
     if not distributed.is_primary():
       check_visible(args.out)
 

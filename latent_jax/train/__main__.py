@@ -2,7 +2,6 @@
 
 Trains a new run in DIR, or resumes the one there from its latest checkpoint (README: "What can
 go wrong" says what a resume checks, and what --allow_data_change lets through)."""
-from latent_jax.config import load_config
 from latent_jax import cli, distributed
 from latent_jax.train.loop import NonFiniteLoss, train
 from latent_jax.train.workdir import WorkdirBusy
@@ -15,7 +14,7 @@ def main(argv=None):
   with cli.errors(NonFiniteLoss, WorkdirBusy):
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    train(load_config(args.config, args.overrides), args.workdir, args.allow_data_change)
+    train(args.config, args.workdir, args.allow_data_change)
 
 
 if __name__ == "__main__":
