@@ -76,3 +76,19 @@ def ragged_batch(rows, length, vocab, seed=0):
   as_int = lambda x: jnp.asarray(x, jnp.int32)
   return {"inputs": as_int(tokens[:, :-1]), "targets": as_int(targets), "segment_ids": as_int(seg),
           "positions": as_int(pos)}
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_file(corpus_dir, tmp_path_factory):
+  """A byte-level BPE tokenizer.json (OLMo-3's kind) of 300 tokens trained on the corpus, EOS and pad special."""
+  from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+  tok = HFTokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  texts = [open(os.path.join(corpus_dir, f)).read() for f in sorted(os.listdir(corpus_dir))]
+  tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                     show_progress=False))
+  path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+  tok.save(str(path))
+  return str(path)

@@ -192,6 +192,7 @@ def test_speculative_decoding_returns_the_targets_greedy_tokens(target_name, con
   assert np.all(np.asarray(rounds) >= 1) and np.all(np.asarray(committed) <= np.asarray(rounds) * (drafter.block_size + 1))
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_rounds_and_commits_against_a_replay():
   """The bookkeeping of Eq. 27: a drafter that always proposes token 0 (its final norm zeroed), replayed
   by hand against the target's greedy tokens; and a target that always says 0 accepts every block."""

@@ -75,6 +75,7 @@ def test_prefill_and_greedy_generation_match_full_forwards():
   np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_generate_cli_on_a_concept_run(tmp_path, corpus_dir, capsys):
   from latent_jax.generate import main
   from latent_jax.train.loop import train

@@ -3,12 +3,13 @@ a tiny byte-level BPE built here, then trained on, evaluated, exported and sampl
 import filecmp
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import ROOT, TINY, TINY_OVERRIDES
 from latent_jax.data import build_data
@@ -18,18 +19,8 @@ from test_data import tiny_config
 
 
 @pytest.fixture(scope="module")
-def hf_file(corpus_dir, tmp_path_factory):
-  """A byte-level BPE tokenizer.json (GPT-2 / OLMo style) of ~300 tokens, trained on the test corpus."""
-  tok = HFTokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  texts = [open(os.path.join(corpus_dir, f)).read() for f in sorted(os.listdir(corpus_dir))]
-  tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                     show_progress=False))
-  path = tmp_path_factory.mktemp("hf") / "tokenizer.json"
-  tok.save(str(path))
-  return path
+def hf_file(hf_tokenizer_file):
+  return pathlib.Path(hf_tokenizer_file)
 
 
 def test_hf_tokenizer_interface(hf_file):
@@ -67,6 +58,7 @@ def test_hf_tokenizer_errors(hf_file, tmp_path, corpus_dir):
     load_or_train_tokenizer(cfg.data, 385, str(tmp_path / "run"), [])
 
 
+@pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_hf_tokenizer_trains_evaluates_and_exports(hf_file, corpus_dir, tmp_path):
   run, out = tmp_path / "run", tmp_path / "export"
   cli = lambda module, *args: subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,

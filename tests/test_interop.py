@@ -18,7 +18,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
 from conftest import TINY, TINY_OVERRIDES
 from latent_jax import build_model, checkpoint, load_config
@@ -37,18 +36,8 @@ OURS = TINY_OVERRIDES + ["model.rope_scaling=yarn", "model.yarn_original_context
 
 
 @pytest.fixture(scope="module")
-def tokenizer_file(corpus_dir, tmp_path_factory):
-  """A byte-level BPE tokenizer.json (OLMo-3's kind) of 300 tokens, EOS and pad special."""
-  tok = HFTokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  texts = [open(os.path.join(corpus_dir, f)).read() for f in sorted(os.listdir(corpus_dir))]
-  tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                     show_progress=False))
-  path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
-  tok.save(str(path))
-  return str(path)
+def tokenizer_file(hf_tokenizer_file):
+  return hf_tokenizer_file
 
 
 def random_export(out, tokenizer_file, overrides=(), seed=0):

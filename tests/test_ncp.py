@@ -132,7 +132,7 @@ def test_intra_module_residual(softmax):
   np.testing.assert_array_equal(plain, f32(history[latest]))
 
 
-@pytest.mark.parametrize("softmax,docs", [(False, False), (True, True)])
+@pytest.mark.parametrize("softmax,docs", [pytest.param(False, False, marks=pytest.mark.slow), (True, True)])  # slow: by time
 def test_history_scan_gradients_equal_the_plain_scan(softmax, docs, monkeypatch):
   """The IRC stack's O(L)-memory backward (nn.concept.history_scan, under every model.remat but "none")
   against autodiff of a plain jax.lax.scan: gradients of params, input and CRC sources, 3 layers, one
