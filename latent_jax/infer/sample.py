@@ -54,13 +54,12 @@ def generate(model, prompt, max_new_tokens, key, temperature=1.0, top_k=0, top_p
 
 
 def make_decode_step(graphdef, mesh=None, temperature=1.0, top_k=0, top_p=1.0):
-  """The jitted sampling step: tokens [B, n] at cache_index -> (the next token [B], the cache). The
-  cache given is donated: the new one is written over it, so decoding holds one cache, not two."""
+  """The jitted sampling step: tokens [B, n] at cache_index -> (the next token [B], the cache)."""
   def step(params, tokens, cache, index, key):
     with sharding.use_mesh(mesh) if mesh else contextlib.nullcontext():  # activations split like the rows
       out = nnx.merge(graphdef, params)(tokens, cache=cache, cache_index=index)
     return sample_token(out.logits[:, -1], key, temperature, top_k, top_p), out.cache
-  return jax.jit(step, donate_argnums=2)
+  return jax.jit(step)
 
 
 def params_mesh(params):
