@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 import ml_collections
 from absl import flags
 
-from latent_jax import paths
+from latent_jax import distributed, paths
 from latent_jax.config import apply_overrides, read_config, validate
 
 REQUIRED = object()  # a Flag default: the flag must be given
@@ -46,6 +46,16 @@ class Flag(NamedTuple):
 CONFIG = Flag("config", ml_collections.ConfigDict, REQUIRED,
               "config file, e.g. configs/tiny.py (FILE:ARG picks a variant); --config.a.b=v then overrides a field")
 STEP = Flag("step", int, None, "the checkpoint to load, by step; the latest when not given", lambda s: s >= 0, ">= 0")
+# How this process joins a multi-process job (distributed.initialize reads them).
+DISTRIBUTED = [
+    Flag("coordinator_address", str, None, "HOST:PORT of process 0's coordinator (or $JAX_COORDINATOR_ADDRESS)"),
+    Flag("num_processes", int, None, "processes in the job (or $JAX_NUM_PROCESSES)", lambda n: n >= 1, ">= 1"),
+    Flag("process_id", int, None, "this process's index, 0..num_processes-1 (or $JAX_PROCESS_ID)",
+         lambda i: i >= 0, ">= 0"),
+    Flag("agreement_timeout", float, distributed.TIMEOUT_S, "seconds a process waits for the others at a point where "
+         "all must meet (a checkpoint restore, a write by process 0) before every process stops with an error",
+         lambda t: t > 0, "> 0"),
+]
 
 # Bad input: a setting, a path or a file. ConfigError and UnicodeDecodeError are ValueErrors.
 EXPECTED = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError)
@@ -63,7 +73,6 @@ def errors(*more):
       raise
     line = " ".join(str(e).splitlines())
     print("error: " + line, file=sys.stderr)
-    from latent_jax import distributed  # pylint: disable=import-outside-toplevel  # which imports this module
     distributed.stop_others(line)  # with several processes: they stop too, rather than wait for this one
     raise SystemExit(2) from None
 

@@ -24,7 +24,7 @@ FLAGS = [cli.Flag("hf", str, None, "a Hugging Face OLMo-3 folder to import"),
          cli.CONFIG._replace(default=None, help="with --hf: the recipe whose sections but the model the export "
                              "carries; --config.a.b=v then overrides a field"), cli.STEP,
          cli.Flag("dtype", str, None, "the parameters' dtype", lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}"),
-         ] + distributed.FLAGS
+         ] + cli.DISTRIBUTED
 
 
 def convert(args):

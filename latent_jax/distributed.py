@@ -35,18 +35,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from latent_jax import cli
-
 TIMEOUT_S = 600.0  # how long a process waits for the others at an agreement: --agreement_timeout (initialize)
-FLAGS = [
-    cli.Flag("coordinator_address", str, None, "HOST:PORT of process 0's coordinator (or $JAX_COORDINATOR_ADDRESS)"),
-    cli.Flag("num_processes", int, None, "processes in the job (or $JAX_NUM_PROCESSES)", lambda n: n >= 1, ">= 1"),
-    cli.Flag("process_id", int, None, "this process's index, 0..num_processes-1 (or $JAX_PROCESS_ID)",
-             lambda i: i >= 0, ">= 0"),
-    cli.Flag("agreement_timeout", float, TIMEOUT_S, "seconds a process waits for the others at a point where all "
-             "must meet (a checkpoint restore, a write by process 0) before every process stops with an error",
-             lambda t: t > 0, "> 0"),
-]
 SLURM = "SLURM (srun)"
 OPEN_MPI = "Open MPI (mpirun)"
 

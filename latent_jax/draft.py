@@ -176,7 +176,7 @@ def load_drafter(workdir, target_cfg):
 
 
 FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the drafter's folder (drafter.json, params/)")
-         ] + distributed.FLAGS
+         ] + cli.DISTRIBUTED
 
 
 def main(argv=None):

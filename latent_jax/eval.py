@@ -41,7 +41,7 @@ def evaluate_dir(directory, step=None, max_batches=None):
 
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,
          cli.Flag("batches", int, None, "validation batches to score; 0 = the whole split; default: the run's "
-                  "train.eval_batches, as its training scored", lambda n: n >= 0, ">= 0")] + distributed.FLAGS
+                  "train.eval_batches, as its training scored", lambda n: n >= 0, ">= 0")] + cli.DISTRIBUTED
 
 
 def main(argv=None):

@@ -45,7 +45,7 @@ def export(workdir, out, step=None, dtype=None):
 FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir"),
          cli.Flag("out", str, cli.REQUIRED, "the export folder, which must not exist yet"), cli.STEP,
          cli.Flag("dtype", str, None, "the parameters' dtype; the model's compute dtype when not given",
-                  lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")] + distributed.FLAGS
+                  lambda d: d in DTYPES, f"one of {', '.join(DTYPES)}")] + cli.DISTRIBUTED
 
 
 def main(argv=None):

@@ -25,7 +25,7 @@ FLAGS = [
     cli.Flag("seed", int, 0, "the sampling seed"),
     cli.Flag("num_samples", int, 1, "samples to draw", lambda n: n >= 1, ">= 1"),
     cli.Flag("drafter", str, None, "a drafter's workdir (python -m latent_jax.draft): speculative decoding"),
-] + distributed.FLAGS
+] + cli.DISTRIBUTED
 
 
 def main(argv=None):

@@ -299,7 +299,7 @@ FLAGS = [cli.CONFIG,
                   "(default: the config's)", lambda n: n >= 1, ">= 1"),
          cli.Flag("hbm_gib", float, None, "memory per device in GiB to fit in; default: the device's, XLA:TPU's "
                   "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")
-         ] + distributed.FLAGS  # for --topology=local on several hosts
+         ] + cli.DISTRIBUTED  # for --topology=local on several hosts
 
 
 def main(argv=None):

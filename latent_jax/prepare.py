@@ -301,7 +301,7 @@ FLAGS = [cli.CONFIG._replace(default=None, help="config file (data.*, model.voca
          cli.Flag("shard_mb", float, 64.0, "text per shard, in MB", lambda x: x > 0, "> 0"),
          cli.Flag("sample_mb", float, 64.0, "text the tokenizer is trained on, in MB", lambda x: x > 0, "> 0"),
          cli.Flag("verify", bool, False, "check the finished store at --out against its checksums, and stop")
-         ] + distributed.FLAGS
+         ] + cli.DISTRIBUTED
 
 
 def main(argv=None):

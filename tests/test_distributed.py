@@ -123,7 +123,7 @@ import sys
 import jax
 from latent_jax import cli, distributed
 with cli.errors():
-  args = cli.parse("", distributed.FLAGS, sys.argv[2:])
+  args = cli.parse("", cli.DISTRIBUTED, sys.argv[2:])
   distributed.initialize(args)
   me = jax.process_index()
   distributed.on_primary("workdir lock", lambda: None)

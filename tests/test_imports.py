@@ -101,3 +101,49 @@ def test_upward_imports_are_found():
   assert upward_imports("import latent_jax.ops\n", "pallas_kernels/fake.py") == [
       "pallas_kernels/fake.py:1: pallas_kernels.fake (kernels) imports latent_jax.ops (ops), a higher layer"]
   assert not upward_imports("from latent_jax.train import loop\n", "latent_jax/eval.py")
+
+
+def module_graph(files):
+  """{module: {modules it imports}} over `files` ({path: source}), a `from a import b` resolved to a.b when
+  that is one of the modules, else to a."""
+  names = {}
+  for path in files:
+    parts = pathlib.PurePath(path).with_suffix("").parts
+    names[path] = ".".join(parts[:-1]) if parts[-1] == "__init__" else ".".join(parts)
+  modules = set(names.values())
+  graph = {}
+  for path, source in files.items():
+    module, parts = names[path], pathlib.PurePath(path).with_suffix("").parts
+    found = {name if name in modules else name.rpartition(".")[0] for _, name in imports(ast.parse(source), ".".join(parts[:-1]))}
+    graph[module] = {m for m in found if m in modules and m != module}
+  return graph
+
+
+def cycles(graph):
+  """Each import cycle of `graph`, as the modules around it (one rotation each)."""
+  found, done = set(), set()
+
+  def visit(module, trail):
+    if module in trail:
+      loop = trail[trail.index(module):]
+      start = loop.index(min(loop))
+      found.add(tuple(loop[start:] + loop[:start]))
+      return
+    if module in done:
+      return
+    for other in sorted(graph[module]):
+      visit(other, trail + [module])
+    done.add(module)
+  for module in sorted(graph):
+    visit(module, [])
+  return sorted(found)
+
+
+def test_no_module_imports_itself_back():
+  """Within a layer too, imports form no cycle (a function-level import counts: it still ties the two)."""
+  graph = module_graph({str(p): (ROOT / p).read_text() for p in sources()})
+  assert not cycles(graph), "import cycles:\n" + "\n".join(" -> ".join(c + (c[0],)) for c in cycles(graph))
+  fake = module_graph({"latent_jax/a.py": "from latent_jax import b\n",
+                       "latent_jax/b.py": "def f():\n  from latent_jax.a import g\n",
+                       "latent_jax/c.py": "import latent_jax.a\n"})
+  assert cycles(fake) == [("latent_jax.a", "latent_jax.b")]

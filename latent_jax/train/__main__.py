@@ -7,7 +7,7 @@ from latent_jax.train.loop import NonFiniteLoss, train
 from latent_jax.train.workdir import WorkdirBusy
 
 FLAGS = [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the run's folder: created, or resumed from"),
-         cli.Flag("allow_data_change", bool, False, "resume although data.* or train.seed differ from the checkpoint's")] + distributed.FLAGS
+         cli.Flag("allow_data_change", bool, False, "resume although data.* or train.seed differ from the checkpoint's")] + cli.DISTRIBUTED
 
 
 def main(argv=None):
