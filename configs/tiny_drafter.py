@@ -4,7 +4,9 @@
       --config.target=runs/ncp [--config.drafter.concept=none]
 
 The target (a training workdir or an export) stays frozen; the drafter shares its token
-embedding and LM head and learns the rest on the target's training split.
+embedding and LM head and learns the rest on the target's training split. The run is the
+target's config (model, data, kernels) with these sections laid over it, trained by the one
+train loop: it logs, evaluates, checkpoints and resumes like any run.
 """
 import ml_collections
 
@@ -23,18 +25,37 @@ def get_config():
   # What the K proposals learn (the paper does not say): data (the row's next tokens) | target (the
   # target's greedy token at each of those positions, after the data before it: teacher-forced).
   c.drafter.labels = "data"
+  c.drafter.anchors = 16          # anchors a row: random in training, strided in evaluation; each is one K-token block
+
+  # Over the target's sections of the same names.
+  c.data = ml_collections.ConfigDict()
+  c.data.batch_size = 16          # rows of the target's data.seq_len tokens per step
 
   c.train = ml_collections.ConfigDict()
   c.train.steps = 400
-  c.train.batch_size = 16         # rows of the target's data.seq_len tokens per step
-  c.train.anchors = 16            # anchors sampled per row; each is one K-token block to predict
-  c.train.lr = 3e-3               # AdamW, linear warmup then cosine to 10%
-  c.train.warmup_steps = 40
-  c.train.seed = 0                # the drafter's init, anchor sampling and data order
+  c.train.seed = 0                # the drafter's init and anchors, and the data order
   c.train.log_every = 50
+  c.train.eval_every = 100        # the drafter's loss on held-out rows (strided anchors)
+  c.train.eval_batches = 4
+  c.train.checkpoint_every = 200
 
-  c.eval = ml_collections.ConfigDict()
-  c.eval.batches = 4              # validation batches for the drafter's loss and per-slot accuracy
+  c.optim = ml_collections.ConfigDict()
+  c.optim.name = "adamw"          # weight decay on matrices only; linear warmup, then cosine to 10%
+  c.optim.lr = 3e-3
+  c.optim.schedule = "cosine"
+  c.optim.warmup_steps = 40
+  c.optim.min_lr_ratio = 0.1
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.weight_decay = 0.1
+  c.optim.clip_norm = 1.0
+
+  c.mesh = ml_collections.ConfigDict()  # this machine's devices, whatever mesh the target trained on
+  c.mesh.data = -1
+  c.mesh.fsdp = 1
+  c.mesh.tensor = 1
+
+  c.eval = ml_collections.ConfigDict()  # after training: per-slot accuracy and MAL (Eq. 27)
   c.eval.prompts = 64             # validation documents whose first tokens prompt the speculative decoding
   c.eval.prompt_len = 32
   c.eval.max_new_tokens = 64

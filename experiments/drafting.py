@@ -28,7 +28,7 @@ def drafter_rows(workdir, cfg):
   """The drafter's training curve and its measurements as metrics rows (`tokens` for the plot)."""
   with open(os.path.join(workdir, "drafter.json")) as f:
     result = json.load(f)
-  per_step = cfg.train.batch_size * cfg.train.anchors * cfg.drafter.block_size  # scored block positions
+  per_step = cfg.data.batch_size * cfg.drafter.anchors * cfg.drafter.block_size  # block positions drafted
   rows = [{"step": r["step"], "tokens": r["step"] * per_step, "loss": r["loss"]} for r in result["history"]]
   rows[-1].update({k: result[k] for k in ("mal", "val_loss", "slot_accuracy", "rounds", "committed")})
   return rows
@@ -40,8 +40,8 @@ def main():
   args = p.parse_args()
   name = "drafting" if args.labels == "data" else "drafting_target_labels"
   targets = run_seeds("ncp", "tiny_ncp.py", budget(args.steps), args.seeds, args.root)
-  smoke = [f"train.steps={args.steps}", "train.warmup_steps=0", "train.log_every=1", "eval.prompts=4",
-           "eval.max_new_tokens=8", "eval.batches=1"] if args.steps else []
+  smoke = [f"train.steps={args.steps}", "optim.warmup_steps=0", "train.log_every=1", "train.eval_every=0",
+           "eval.prompts=4", "eval.max_new_tokens=8", "train.eval_batches=1"] if args.steps else []
   runs = {arm: {} for arm in ARMS}
   for seed in targets:
     for arm in ARMS:

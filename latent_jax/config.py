@@ -112,8 +112,8 @@ def check_choice(value, field, choices):
 
 def validate(cfg):
   """Reject impossible settings before anything is traced."""
-  if "drafter" in cfg:  # a drafter config (configs/tiny_drafter.py), not a training one
-    return validate_drafter(cfg)
+  if "target" in cfg:  # the draft command's (configs/tiny_drafter.py): its run's config is validated once built
+    return validate_draft(cfg)
   for section in ("model", "data", "train", "optim", "mesh", "kernels"):
     check(section in cfg, section, "missing section; start from configs/tiny.py.")
   m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
@@ -207,6 +207,8 @@ def validate(cfg):
     validate_ncp(cfg)
   validate_tst(cfg)
   validate_aux(cfg)
+  if "drafter" in cfg:
+    validate_drafter(cfg)
   return cfg
 
 
@@ -351,21 +353,33 @@ def validate_ncp(cfg):
   check_choice(n.reduction, "ncp.reduction", ("paper", "algorithm1", "released"))
 
 
+DRAFTER_FIELDS = ("block_size", "num_layers", "context", "anchors")
+
+
 def validate_drafter(cfg):
-  """A block-drafter config (`python -m latent_jax.draft`, docs/ncp.md); the target is checked when loaded."""
-  for section in ("drafter", "train", "eval"):
-    check(section in cfg, section, "missing section; start from configs/tiny_drafter.py.")
-  d, t, e = cfg.drafter, cfg.train, cfg.eval
-  check(isinstance(cfg.get("target"), str) and cfg.target.strip() != "", "target",
-        "is empty; give the workdir or export folder of a trained model (--config.target=runs/ncp).")
+  """The `drafter` section: a drafter config's (configs/tiny_drafter.py), or a drafter run's, whose model is the target's."""
+  d = cfg.drafter
   check_choice(d.concept, "drafter.concept", ("none", "predicted", "pooled"))
   check_choice(d.labels, "drafter.labels", ("data", "target"))
-  for field, value in [("drafter.block_size", d.block_size), ("drafter.num_layers", d.num_layers),
-                       ("drafter.context", d.context), ("train.steps", t.steps), ("train.batch_size", t.batch_size),
-                       ("train.anchors", t.anchors), ("train.log_every", t.log_every), ("eval.prompts", e.prompts),
-                       ("eval.prompt_len", e.prompt_len), ("eval.max_new_tokens", e.max_new_tokens),
-                       ("eval.batches", e.batches)]:
-    check(isinstance(value, int) and value >= 1, field, f"must be a positive integer, got {value!r}.")
-  check(t.lr > 0, "train.lr", f"must be > 0, got {t.lr}.")
-  check(0 <= t.warmup_steps < t.steps, "train.warmup_steps", f"{t.warmup_steps} must lie in [0, train.steps={t.steps}).")
+  for f in DRAFTER_FIELDS:
+    check(isinstance(d[f], int) and d[f] >= 1, f"drafter.{f}", f"must be a positive integer, got {d[f]!r}.")
+  if "model" in cfg:
+    check(d.concept == "none" or cfg.model.name == "concept", "drafter.concept",
+          f"{d.concept!r} needs a ConceptLM target, but the target is model.name={cfg.model.name!r}; "
+          "use --config.drafter.concept=none.")
+    check(not (tst_enabled(cfg) or nitp_enabled(cfg) or mtp_enabled(cfg)), "drafter",
+          "a drafter run trains the drafter alone; turn tst, nitp and mtp off.")
+
+
+def validate_draft(cfg):
+  """The draft command's config (`python -m latent_jax.draft`, docs/ncp.md): the target, the drafter and
+  the measurement; the training sections are checked with the target's config they are laid over."""
+  for section in ("drafter", "eval"):
+    check(section in cfg, section, "missing section; start from configs/tiny_drafter.py.")
+  check(isinstance(cfg.target, str) and cfg.target.strip() != "", "target",
+        "is empty; give the workdir or export folder of a trained model (--config.target=runs/ncp).")
+  validate_drafter(cfg)
+  for f in ("prompts", "prompt_len", "max_new_tokens"):
+    check(isinstance(cfg.eval[f], int) and cfg.eval[f] >= 1, f"eval.{f}",
+          f"must be a positive integer, got {cfg.eval[f]!r}.")
   return cfg

@@ -22,11 +22,12 @@ from latent_jax.infer import load
 def evaluate_dir(directory, step=None, max_batches=None):
   """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all."""
   def read(step):  # the checkpoint first: a training may remove it while the data is built
-    cfg, step = checkpoint.load_config(directory, step)
+    saved, step = checkpoint.load_config(directory, step)
+    cfg = load.inference_config(saved)  # the inference model's loss (a drafter run's: its frozen target's)
     mesh = sharding.inference_mesh(cfg.mesh)  # the training's layout, where the devices here allow it
     _, abstract = abstract_model(cfg.model)
     param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
-    return cfg, step, mesh, param_shardings, load.load_params(directory, cfg, step, checkpoint.by_path(param_shardings))
+    return cfg, step, mesh, param_shardings, load.load_params(directory, saved, step, checkpoint.by_path(param_shardings))
   cfg, step, mesh, param_shardings, (graphdef, params) = checkpoint.read_newest(directory, step, read)
   data = build_data(cfg, directory)
   max_batches = cfg.train.eval_batches if max_batches is None else max_batches

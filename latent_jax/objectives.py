@@ -2,7 +2,8 @@
 
 `loss` in the metrics is always the per-token next-token cross-entropy (the LM loss), so runs
 with and without auxiliary terms compare on the same number. (TST phase 1 trains on bags, so
-its `loss` is the multi-hot bag CE; `val_loss` is per-token NTP in every phase.)
+its `loss` is the multi-hot bag CE; `val_loss` is per-token NTP in every phase. A drafter run's
+`loss` and `val_loss` are its CE per scored block slot.)
 
 Every term is a mean over what it scores (tokens, positions, concept pairs, concepts, bags), kept
 as a sum and a count until `combine` divides. Each count depends on the batch only, so a train
@@ -10,14 +11,18 @@ step over microbatches divides every microbatch's sums by the whole batch's coun
 gradients of k microbatches are those of the batch (train/step.py). No term is a statistic of the
 batch as a whole; the codebook usage metrics come from a code histogram, which adds up too.
 """
+import jax
 import jax.numpy as jnp
+import optax
 
 import pallas_kernels
 from latent_jax.config import mtp_enabled, nitp_enabled
 from latent_jax import sharding
 from latent_jax.ops import auxiliary as A
 from latent_jax.ops import concepts as C
+from latent_jax.ops import drafting as D
 from latent_jax.ops import superposition as sup
+from latent_jax.nn.drafter import draft, target_features
 
 
 def token_cross_entropy(hidden, head_weight, targets, impl):
@@ -145,17 +150,51 @@ def tst_objective(model, batch, cfg, counts=None):
   return combine({**terms, **auxiliary_terms(model, out, aux_batch, cfg, mtp=aux_batch is batch)}, counts)
 
 
+def drafter_scores(model, batch, anchors, labels_from):
+  """The block drafter `model.drafter` on its frozen target `model` (NCP Sec. 5.3): at anchors [B, A], the CE
+  of its K proposals -> (ce [B, A, K], labels [B, A, K] (-1: not scored), proposals [B, A, K]).
+
+  The labels are the row's next K tokens ('data'), or the target's greedy token at each of those
+  positions after the data before it ('target', teacher-forced); never past the row, the anchor's
+  document or the padding."""
+  drafter, tokens = model.drafter, batch["inputs"]
+  target_logits, hidden, concepts = target_features(model, tokens, batch["segment_ids"], batch["positions"],
+                                                    drafter.concept, logits=labels_from == "target")
+  hidden, concepts = jax.lax.stop_gradient((hidden, concepts))
+  logits = draft(drafter, model, hidden, concepts, tokens, batch["segment_ids"], anchors)
+  if labels_from == "target":
+    tokens = jnp.concatenate([tokens[:, :1], jnp.argmax(target_logits[:, :-1], -1).astype(tokens.dtype)], axis=1)
+  labels = D.draft_labels(tokens, batch["segment_ids"], anchors, drafter.block_size)
+  real, _ = D.gather_offsets(batch["targets"] >= 0, anchors, jnp.arange(drafter.block_size))  # not padding
+  labels = jnp.where(real, labels, -1)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), jnp.maximum(labels, 0))
+  return ce, labels, jnp.argmax(logits, -1)
+
+
+def drafter_objective(model, batch, cfg, counts=None):
+  """The drafter's mean CE over its scored block slots, at `drafter.anchors` random anchors a row (D.row_anchors)."""
+  anchors = D.row_anchors(batch["inputs"], cfg.drafter.anchors, cfg.train.seed)
+  ce, labels, _ = drafter_scores(model, batch, anchors, cfg.drafter.labels)
+  return combine({"loss": term(ce, labels >= 0)}, counts)
+
+
 def eval_sums(model, batch, cfg):
-  """Summed NLL and count of scored tokens for one validation batch (for loss and bits/byte)."""
+  """Summed NLL of one validation batch and what it scored (labels, -1 = not), for loss and bits/byte:
+  the next tokens; for a drafter run, its block slots at strided anchors."""
+  if "drafter" in cfg:
+    anchors = D.strided_anchors(batch["inputs"].shape[0], batch["inputs"].shape[1], cfg.drafter.anchors)
+    ce, labels, _ = drafter_scores(model, batch, anchors, cfg.drafter.labels)
+    return jnp.sum(jnp.where(labels >= 0, ce, 0.0)), labels
   out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False, **model_kwargs(cfg))
   ce, _ = token_cross_entropy(out.hidden, model.head_weight().astype(out.hidden.dtype),
                               batch["targets"], cfg.kernels.impl)
-  mask = batch["targets"] >= 0
-  return jnp.sum(jnp.where(mask, ce, 0.0)), jnp.sum(mask)
+  return jnp.sum(jnp.where(batch["targets"] >= 0, ce, 0.0)), batch["targets"]
 
 
 def objective_for(cfg):
   """The training objective for the configured model: (model, batch, cfg) -> (total, metrics)."""
+  if "drafter" in cfg:  # a drafter run (python -m latent_jax.draft): the target is frozen
+    return drafter_objective
   if cfg.model.name == "concept":
     return ncp_objective
   return lm_objective

@@ -211,6 +211,11 @@ def test_non_finite_loss_is_one_line(monkeypatch, capsys):
                           "--config.target={run}"], ["--workdir", "a_file", "is a file"]),
     ("latent_jax.draft", ["--config", f"{ROOT}/configs/tiny_drafter.py", "--workdir", "{tmp}/d",
                           "--config.target={tmp}/nope"], ["target", "nope", "neither a training workdir"]),
+    ("latent_jax.draft", ["--config", f"{ROOT}/configs/tiny_drafter.py", "--workdir", "{tmp}/d",
+                          "--config.target={run}"], ["drafter.concept", "'predicted' needs a ConceptLM", "concept=none"]),
+    ("latent_jax.draft", ["--config", f"{ROOT}/configs/tiny_drafter.py", "--workdir", "{tmp}/d", "--config.target={run}",
+                          "--config.drafter.concept=none", "--config.optim.warmup_steps=400"],
+     ["optim.warmup_steps", "400 must lie in [0, train.steps=400)"]),
 ])
 def test_loading_commands_refuse_bad_paths(module, argv, names, tmp_path, bad, run, capsys):
   fill = lambda s: s.format(tmp=tmp_path, bad=bad, run=run)

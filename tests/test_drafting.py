@@ -244,10 +244,17 @@ def test_bad_drafter_settings_are_named_before_anything_runs(tmp_path, tiny_cfg)
 
 
 
+def with_drafter(graphdef, params, drafter):
+  """The target of (graphdef, params) with `drafter` attached, as a drafter run's model holds it."""
+  model = nnx.merge(graphdef, params)
+  model.drafter = drafter
+  return model
+
+
 def test_the_loss_scores_only_real_next_tokens_of_the_document():
-  """drafter_loss: labels past the row, across a document boundary or on padding (target -1) are not
+  """drafter_scores: labels past the row, across a document boundary or on padding (target -1) are not
   scored; with labels='target' they are the target's greedy tokens from the true prefix."""
-  from latent_jax.draft import drafter_loss
+  from latent_jax.objectives import drafter_scores
   graphdef, params = random_model()
   target = nnx.merge(graphdef, params)
   drafter = random_drafter(target.cfg, "predicted", block_size=3)
@@ -261,24 +268,46 @@ def test_the_loss_scores_only_real_next_tokens_of_the_document():
   batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
   anchors = jnp.asarray([[2, 4, 7, 9, 12]])
   for source in ("data", "target"):
-    loss, (correct, scored) = jax.jit(lambda p, b: drafter_loss(drafter, nnx.merge(graphdef, p), b, anchors,
-                                                                 source))(params, batch)
+    ce, labels, _ = jax.jit(lambda p, b: drafter_scores(with_drafter(graphdef, p, drafter), b, anchors, source))(
+        params, batch)
     want = [[1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]]  # x_{a+1..a+3} in the document, not padding
-    np.testing.assert_array_equal(scored[0], want)
-    assert np.isfinite(float(loss))
+    np.testing.assert_array_equal(labels[0] >= 0, want)
+    assert np.all(np.isfinite(ce))
+    if source == "data":
+      np.testing.assert_array_equal(np.asarray(labels[0])[np.asarray(want, bool)],
+                                    [inputs[0, a + j] for a, n in [(2, 3), (4, 1), (7, 3), (9, 1)] for j in range(1, n + 1)])
+
   @jax.jit
   def labelled(params, b):  # the target's greedy tokens, the proposals, and what the loss scored
     model = nnx.merge(graphdef, params)
     greedy = jnp.argmax(model(b["inputs"], b["segment_ids"], b["positions"]).logits, -1)
     _, hidden, concepts = target_features(model, b["inputs"], b["segment_ids"], b["positions"], "predicted")
     proposals = jnp.argmax(draft(drafter, model, hidden, concepts, b["inputs"], b["segment_ids"], anchors), -1)
-    return greedy, proposals, drafter_loss(drafter, model, b, anchors, "target")[1]
+    _, labels, scored_proposals = drafter_scores(with_drafter(graphdef, params, drafter), b, anchors, "target")
+    return greedy, proposals, labels, scored_proposals
 
-  greedy, proposals, (correct, scored) = labelled(params, batch)
+  greedy, proposals, labels, scored_proposals = labelled(params, batch)
+  np.testing.assert_array_equal(proposals, scored_proposals)
   for i, a in enumerate([2, 4, 7, 9, 12]):
     for j in range(3):
-      if scored[0, i, j]:
-        assert bool(correct[0, i, j]) == (proposals[0, i, j] == greedy[0, a + j])
+      if labels[0, i, j] >= 0:
+        assert labels[0, i, j] == greedy[0, a + j]
+
+
+def test_anchors_follow_the_row_not_its_batch():
+  """D.row_anchors: in [1, T), spread over the row, and a row's anchors do not depend on the rows beside it
+  (so microbatches and hosts draw the batch's anchors); another row or seed draws others."""
+  from latent_jax.ops.drafting import row_anchors, strided_anchors
+  rows = jnp.asarray(np.random.default_rng(0).integers(0, 50, size=(8, 33)), jnp.int32)
+  anchors = np.asarray(row_anchors(rows, 400, seed=3))
+  assert anchors.shape == (8, 400) and anchors.min() == 1 and anchors.max() == 32
+  np.testing.assert_array_equal(np.asarray(row_anchors(rows[1::2], 400, seed=3)), anchors[1::2])
+  np.testing.assert_array_equal(np.asarray(row_anchors(rows[::-1], 400, seed=3)), anchors[::-1])
+  assert not np.array_equal(np.asarray(row_anchors(rows, 400, seed=4)), anchors)
+  assert len({tuple(a) for a in anchors}) == 8
+  counts = np.bincount(anchors.ravel(), minlength=33)[1:]  # uniform over 32 positions: 100 each
+  assert counts.min() > 50 and counts.max() < 150
+  np.testing.assert_array_equal(strided_anchors(2, 33, 4), [[1, 9, 17, 25]] * 2)
 
 
 def test_a_baseline_target_has_no_concept_signal(tiny_cfg):
@@ -294,27 +323,46 @@ def test_a_baseline_target_has_no_concept_signal(tiny_cfg):
 
 @pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
 def test_draft_command_trains_measures_saves_and_loads(tmp_path, corpus_dir, capsys):
-  """python -m latent_jax.draft on a trained ConceptLM: the result file, a saved drafter that loads
-  and decodes like the one measured, and a second run that refuses to overwrite it."""
-  from latent_jax.draft import load_drafter, main
+  """python -m latent_jax.draft on a trained ConceptLM, through the train loop: the target stays as it was,
+  the drafter trains, the result file, a saved drafter that loads and decodes like the one measured,
+  and a second run that refuses to overwrite it."""
+  from latent_jax.draft import load_drafter, load_run, main
   from latent_jax.infer import load_model
   from latent_jax.train.loop import train
+  from latent_jax.train.metrics import read_metrics
   extra = ["model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=1", "model.concept_layers=1",
            "model.decoder_layers=1", "train.steps=2", "optim.warmup_steps=1", "train.eval_every=0",
-           "train.checkpoint_every=2", f"data.source={corpus_dir}"]
+           "train.checkpoint_every=2", f"data.source={corpus_dir}", "nitp.enabled=True"]
   train(load_config(TINY_NCP, TINY_OVERRIDES + extra), str(tmp_path / "target"))
   args = ["--config", DRAFTER, "--workdir", str(tmp_path / "drafter"), f"--config.target={tmp_path / 'target'}",
-          "--config.train.steps=3", "--config.train.warmup_steps=1", "--config.train.batch_size=4",
-          "--config.train.anchors=4", "--config.drafter.block_size=3", "--config.drafter.context=4",
-          "--config.drafter.labels=target", "--config.eval.batches=1", "--config.eval.prompts=3",
-          "--config.eval.prompt_len=6", "--config.eval.max_new_tokens=7"]
+          "--config.train.steps=3", "--config.optim.warmup_steps=1", "--config.data.batch_size=4",
+          "--config.drafter.anchors=4", "--config.drafter.block_size=3", "--config.drafter.context=4",
+          "--config.drafter.labels=target", "--config.train.eval_batches=1", "--config.train.log_every=1",
+          "--config.train.eval_every=3", "--config.eval.prompts=3", "--config.eval.prompt_len=6",
+          "--config.eval.max_new_tokens=7"]
   main(args)
   printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   with open(tmp_path / "drafter" / "drafter.json") as f:
     saved = json.load(f)
-  assert saved["config"]["drafter"]["labels"] == "target" and [r["step"] for r in saved["history"]][-1] == 3
+  assert saved["config"]["drafter"]["labels"] == "target" and [r["step"] for r in saved["history"]] == [1, 2, 3]
   assert printed["mal"] == saved["mal"] and 1 <= saved["mal"] <= 4 and len(saved["slot_accuracy"]) == 3
   assert saved["committed"] >= 3 * 6 and saved["rounds"] >= 3 * 6 / 4  # 3 prompts, 6 tokens after the prefill each
+  # The loop evaluated the drafter at its last step on the same batch the measurement scored.
+  assert read_metrics(str(tmp_path / "drafter"))[-1]["val_loss"] == pytest.approx(saved["val_loss"], rel=1e-5)
+  model, run_cfg, step = load_run(str(tmp_path / "drafter"))
+  assert step == 3 and run_cfg.optim.trainable == "drafter/.*" and not run_cfg.nitp.enabled
+  from latent_jax import build_model
+  from latent_jax.checkpoint import by_path
+  trained = by_path(nnx.to_pure_dict(nnx.state(model)))
+  original, _, _ = load_model(str(tmp_path / "target"))
+  for name, value in by_path(nnx.to_pure_dict(nnx.state(original))).items():
+    np.testing.assert_array_equal(trained[name], value, err_msg=f"target parameter {name} moved")  # bit for bit
+  initial = by_path(nnx.to_pure_dict(nnx.state(build_model(run_cfg, nnx.Rngs(run_cfg.train.seed)).drafter)))
+  still = [name for name, value in initial.items() if np.array_equal(trained["drafter/" + name], value)]
+  assert still == []  # every drafter parameter trained (Eq. 26's norm scale from the second step: tanh(g) is 0 at init)
+  from latent_jax.eval import evaluate_dir  # eval (and export) read a drafter run as its frozen target
+  ours, theirs = (evaluate_dir(str(tmp_path / run), max_batches=0) for run in ("drafter", "target"))  # whole split
+  assert ours["tokens"] == theirs["tokens"] and ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
   target, target_cfg, _ = load_model(str(tmp_path / "target"))
   drafter, cfg = load_drafter(str(tmp_path / "drafter"), target_cfg.model)
   other = target_cfg.model.copy_and_resolve_references()
@@ -343,3 +391,28 @@ def test_draft_command_trains_measures_saves_and_loads(tmp_path, corpus_dir, cap
   with pytest.raises(SystemExit, match="2"):
     generate_main(["--workdir", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")])
   assert "--temperature=0" in capsys.readouterr().err
+
+
+def test_drafter_flops_against_xla(tiny_cfg):
+  """flops.drafter_flops_per_token's forward count against XLA's cost analysis of the drafter's forward
+  (one layer: XLA counts a scanned body once), and the drafter run's total: the target's forward, once."""
+  import ml_collections
+  from latent_jax.train import flops
+  cfg = load_config(os.path.join(ROOT, "configs", "tiny.py"), TINY_OVERRIDES + ["model.d_model=256", "model.num_heads=4",
+                    "model.head_dim=64", "model.mlp_dim=1024", "model.vocab_size=2048"])
+  run = ml_collections.ConfigDict(cfg.to_dict())
+  run.drafter = ml_collections.ConfigDict(drafter_cfg("none").drafter.to_dict())
+  run.drafter.num_layers = 1
+  graphdef, state = nnx.split(BlockDrafter(cfg.model, run.drafter, nnx.Rngs(0)))
+  n, w, d = 64, run.drafter.context, 256
+  forward = jax.jit(lambda s, context: nnx.merge(graphdef, s)(context, jnp.ones((n, w), bool), jnp.ones((n, d)), None,
+                                                              jnp.ones((d, 2048))))
+  cost = forward.lower(state, jnp.ones((n, w, d))).compile().cost_analysis()
+  xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  seq = cfg.data.seq_len
+  counted = flops.drafter_flops_per_token(run, seq) / 3 * seq / run.drafter.anchors * n  # n anchors' forward
+  assert xla == pytest.approx(counted, rel=0.03)
+  for labels, head in [("data", 0), ("target", 2 * d * 2048)]:
+    run.drafter.labels = labels
+    assert flops.flops_per_token(run, seq) == pytest.approx(
+        flops.flops_per_token(cfg.model, seq) / 3 - 2 * d * 2048 + head + flops.drafter_flops_per_token(run, seq))

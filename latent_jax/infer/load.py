@@ -4,6 +4,7 @@ folder (latent_jax/checkpoint.py reads both), and write an export folder's files
 import json
 import os
 
+import ml_collections
 from flax import nnx
 
 from latent_jax import paths
@@ -25,11 +26,14 @@ def keep_like(tree, like):
 
 
 def inference_config(cfg):
-  """A copy of cfg that builds no training-only heads (what an export's params hold)."""
-  cfg = cfg.copy_and_resolve_references()
+  """A copy of cfg that builds no training-only heads (what an export's params hold): a drafter run's
+  is its frozen target's."""
+  cfg = ml_collections.ConfigDict(cfg.to_dict())  # unlocked: a section may go
   for section in ("nitp", "mtp"):
     if section in cfg:
       cfg[section].enabled = False
+  if "drafter" in cfg:
+    del cfg["drafter"]
   return cfg
 
 

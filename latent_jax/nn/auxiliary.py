@@ -1,6 +1,7 @@
-"""Training-only heads (docs/aux.md): NITP's projector and one DeepSeek-V3 MTP block.
+"""Training-only heads (docs/aux.md): NITP's projector and one DeepSeek-V3 MTP block; and, in a
+drafter run (python -m latent_jax.draft), the block drafter trained on the frozen model.
 
-Both are optional submodules of the model, attached by `add_heads` when the whole config
+All are optional submodules of the model, attached by `add_heads` when the whole config
 enables them, so one training checkpoint holds them; inference models (built from `cfg.model`
 alone) and exports leave them out. The losses live in `latent_jax.ops.auxiliary`.
 """
@@ -10,6 +11,7 @@ from flax import nnx
 from latent_jax.config import mtp_enabled, nitp_enabled, nitp_layer
 from latent_jax.sharding import constrain
 from latent_jax.ops import transformer as T
+from latent_jax.nn.drafter import BlockDrafter
 from latent_jax.nn.layers import TOKENS, Block, RMSNorm, param
 
 
@@ -60,4 +62,6 @@ def add_heads(model, cfg, rngs):
       model.nitp_projector = NITPProjector(cfg.model, rngs)
   if mtp_enabled(cfg):
     model.mtp = MTPBlock(cfg.model, rngs)
+  if "drafter" in cfg:
+    model.drafter = BlockDrafter(cfg.model, cfg.drafter, rngs)
   return model

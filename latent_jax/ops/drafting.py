@@ -41,6 +41,22 @@ def draft_labels(tokens, segment_ids, anchors, block_size):
   return jnp.where(in_document(segment_ids, anchors, offsets), gather_offsets(tokens, anchors, offsets)[0], -1)
 
 
+def row_anchors(tokens, count, seed):
+  """`count` anchors a row [B, count], uniform in [1, T), from a key of `seed` and the row's own tokens
+  [B, T]: a row gets the same anchors whichever batch, microbatch or host holds it."""
+  t = tokens.shape[1]
+  odd = jnp.arange(1, 2 * t, 2, dtype=jnp.uint32)  # position-weighted, so that reordered tokens differ
+  digest = jnp.sum(tokens.astype(jnp.uint32) * odd, axis=1)  # wraps modulo 2^32
+  draw = lambda d: jax.random.randint(jax.random.fold_in(jax.random.key(seed), d), (count,), 1, t)
+  return jax.vmap(draw)(digest)
+
+
+def strided_anchors(batch, seq_len, count):
+  """About `count` anchors a row at a fixed stride from position 1 [batch, ~count]: evaluation's."""
+  positions = jnp.arange(1, seq_len, max(1, (seq_len - 1) // count))
+  return jnp.broadcast_to(positions, (batch, len(positions)))
+
+
 def concept_gate(states, concept, gate, scale, eps):
   """Eq. 26: s~_j = s_j + tanh(g) * RMSNorm(c) for every draft position j; states [N, K, d], concept [N, d].
 

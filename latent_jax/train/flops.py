@@ -120,11 +120,30 @@ def aux_forward_flops(cfg, seq_len):
   return parts
 
 
+def drafter_flops_per_token(cfg, seq_len):
+  """Training FLOPs of a drafter run's block drafter per data token (forward + backward = 3x forward).
+
+  Each of `drafter.anchors` anchors a row of seq_len tokens runs W + K positions through the
+  drafter's blocks (full attention), W context states through its projection, and K block
+  positions through the LM head."""
+  from latent_jax.ops.transformer import NO_WINDOW
+  m, dr = cfg.model, cfg.drafter
+  n = dr.context + dr.block_size
+  per_anchor = (dr.num_layers * n * block_flops_per_token(m, n, NO_WINDOW) + dr.context * 2 * m.d_model ** 2
+                + dr.block_size * 2 * m.d_model * m.vocab_size)
+  return 3 * per_anchor * dr.anchors / seq_len
+
+
 def flops_per_token(cfg, seq_len):
   """Training FLOPs per token: of the model alone (pass `cfg.model`), or, given the whole config,
-  with the NITP / MTP heads it enables (as `build_model` builds them)."""
+  with the NITP / MTP heads it enables (as `build_model` builds them). A drafter run (a `drafter`
+  section) trains the drafter alone: the frozen model costs one forward pass, without its LM head
+  unless the drafter learns the model's own greedy tokens (drafter.labels='target')."""
   whole = cfg if "model" in cfg else None
   m = whole.model if whole else cfg
   model = 3 * sum(concept_forward_flops(m, seq_len).values()) if m.name == "concept" else \
       baseline_flops_per_token(m, seq_len)
+  if whole and "drafter" in whole:
+    head = 0 if whole.drafter.labels == "target" else 2 * m.d_model * m.vocab_size
+    return model / 3 - head + drafter_flops_per_token(whole, seq_len)
   return model + (3 * sum(aux_forward_flops(whole, seq_len).values()) if whole else 0)

@@ -112,10 +112,9 @@ def make_eval_step(graphdef, cfg, param_shardings, mesh, token_bytes):
 
   def eval_step(params, batch):
     with sharding.use_mesh(mesh):
-      nll, count = objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
-    targets = batch["targets"]
-    scored = jnp.where(targets >= 0, jnp.asarray(table)[jnp.maximum(targets, 0)], 0)
-    return nll, count, jnp.sum(scored)
+      nll, labels = objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
+    scored = jnp.where(labels >= 0, jnp.asarray(table)[jnp.maximum(labels, 0)], 0)
+    return nll, jnp.sum(labels >= 0), jnp.sum(scored)
   return jax.jit(eval_step, in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
                  out_shardings=sharding.replicated(mesh))
 
