@@ -28,7 +28,17 @@ CASES = {  # config, overrides, objective, tokens per row
     "mtp": ("tiny.py", ["mtp.enabled=True"], objectives.lm_objective, 32),
     "ncp": ("tiny_ncp.py", NCP, objectives.ncp_objective, 32),
     "tst_phase1": ("tiny_tst.py", ["tst.s=2", "nitp.enabled=True"], objectives.tst_objective, 64),
+    "drafter": ("tiny_ncp.py", NCP, objectives.drafter_objective, 32),  # a drafter run on that target (drafter_run)
 }
+
+
+def drafter_run(target_cfg):
+  """The config python -m latent_jax.draft trains with, for a target of config target_cfg."""
+  from latent_jax.draft import run_config
+  drafter = load_config(os.path.join(CONFIGS, "tiny_drafter.py"), [
+      "target=unused", "drafter.block_size=3", "drafter.context=4", "drafter.anchors=5",
+      f"data.batch_size={target_cfg.data.batch_size}", f"train.steps={target_cfg.train.steps}", "optim.warmup_steps=1"])
+  return run_config(drafter, target_cfg)
 
 
 def keep_gradients():
@@ -53,6 +63,8 @@ def step_once(cfg, objective, batch, k):
 def test_microbatches_give_the_whole_batch_loss_and_gradients(case):
   name, overrides, objective, length = CASES[case]
   cfg = load_config(os.path.join(CONFIGS, name), TINY_OVERRIDES + overrides + ["train.z_loss=1e-3"])
+  if case == "drafter":
+    cfg = drafter_run(cfg)
   batch = ragged_batch(cfg.data.batch_size, length, cfg.model.vocab_size)
   k = 4
   # The microbatches (rows i, i+k, ...) score unequal numbers of targets: a mean of their means
