@@ -45,7 +45,8 @@ def is_axes(x):
 def trainable_mask(axes, trainable):
   """True for each parameter that trains: optim.trainable is "all", a preset name
   (TRAINABLE_PRESETS) or a regex matched against whole "a/b/c" parameter paths."""
-  paths = jax.tree_util.tree_map_with_path(lambda p, _: "/".join(str(k.key) for k in p), axes, is_leaf=is_axes)
+  paths = jax.tree_util.tree_map_with_path(lambda p, _: jax.tree_util.keystr(p, simple=True, separator="/"), axes,
+                                           is_leaf=is_axes)
   if trainable == "all":
     return jax.tree.map(lambda _: True, paths)
   pattern = re.compile(TRAINABLE_PRESETS.get(trainable, trainable))
