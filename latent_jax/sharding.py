@@ -14,6 +14,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from latent_jax.config import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
+AXIS_TYPES = (AxisType.Auto,) * 3  # Explicit axes (the jax.make_mesh default) break the embedding gather
 
 # Logical axis -> mesh axes. The batch spreads over data and fsdp; fsdp also splits the
 # model dimension of every matrix, tensor splits heads, MLP width and vocabulary. An activation
@@ -58,12 +59,11 @@ def make_mesh(mesh_cfg, devices=None):
     raise ConfigError(f"mesh.slices={slices} does not divide the {len(devices)} devices; use the number of slices "
                       "the job runs on.")
   shape = mesh_shape(mesh_cfg, len(devices) // slices)
-  axis_types = (AxisType.Auto,) * 3  # Explicit axes (the make_mesh default) break the embedding gather
   if slices == 1:
-    return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
   # Each slice laid out by jax for its interconnect, the slices stacked along data.
   grids = [mesh_utils.create_device_mesh(shape, group) for group in slice_groups(devices, slices)]
-  return jax.sharding.Mesh(np.concatenate(grids, axis=0), MESH_AXES, axis_types=axis_types)
+  return jax.sharding.Mesh(np.concatenate(grids, axis=0), MESH_AXES, axis_types=AXIS_TYPES)
 
 
 def inference_mesh(mesh_cfg, devices=None):
@@ -75,7 +75,7 @@ def inference_mesh(mesh_cfg, devices=None):
     shape = mesh_shape(mesh_cfg, len(devices))
   except ConfigError:
     shape = (1, len(devices), 1)
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
 
 
 def slice_groups(devices, slices):
