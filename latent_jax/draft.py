@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from latent_jax import checkpoint, cli, distributed, objectives, paths
-from latent_jax.config import validate
+from latent_jax.config import ConfigError, validate
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.nn import abstract_model
 from latent_jax.ops import drafting as D
@@ -82,6 +82,9 @@ def measure(model, cfg, e, data):
 
 def run(cfg, workdir):
   """Train (or resume) and measure a drafter for cfg.target; results in WORKDIR/drafter.json -> that dict."""
+  if "target" not in cfg:
+    raise ConfigError("--config: the draft command takes a drafter config naming its target, such as "
+                      "configs/tiny_drafter.py; a training config trains with python -m latent_jax.train.")
   if jax.process_count() > 1:  # the measurement decodes on one host
     raise ValueError("latent_jax.draft trains and measures a small drafter in one process; run it on one host, without "
                      "--num_processes (the target may come from a run on any number of hosts).")

@@ -36,6 +36,9 @@ def train(cfg, workdir, allow_data_change=False):
   allow_data_change: resume although data.* or train.seed differ from the checkpoint's config.
   """
   started = time.perf_counter()
+  if "target" in cfg:
+    raise ConfigError("--config: a drafter config (it names a target, as configs/tiny_drafter.py does) trains with "
+                      "python -m latent_jax.draft --config FILE --workdir DIR, not with the train command.")
   validate(cfg)
   check_text_source(cfg.data, jax.process_count())  # before the workdir is made
   writable_dir(workdir, "--workdir")
