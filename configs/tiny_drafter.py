@@ -54,6 +54,7 @@ def get_config():
   c.mesh.data = -1
   c.mesh.fsdp = 1
   c.mesh.tensor = 1
+  c.mesh.slices = 1
 
   c.eval = ml_collections.ConfigDict()  # after training: per-slot accuracy and MAL (Eq. 27)
   c.eval.prompts = 64             # validation documents whose first tokens prompt the speculative decoding
