@@ -333,7 +333,7 @@ def saved_params(directory, cfg, step=None, shardings=None):
 def check_init_from(directory, cfg, params, step=None):
   """(source config, step) of train.init_from = `directory` (its newest checkpoint, or `step`),
   once every parameter of `params` (this run's, arrays or abstract) is known to be there with its
-  shape: anything but a training-only head (NITP, MTP) that the source lacks means the models
+  shape: anything but a training-only head (NITP, MTP, a drafter) that the source lacks means the models
   differ, an error."""
   if not (is_export(directory) or any(paths.path(os.path.join(directory, sub)).is_dir() for sub in ("checkpoints", "phase1"))):
     raise FileNotFoundError(f"train.init_from: {directory!r} is neither a training workdir with checkpoints nor "

@@ -13,7 +13,7 @@ from latent_jax import checkpoint
 
 
 def load_params(directory, cfg, step=None, shardings=None):
-  """(graphdef, params) of the inference model: training-only heads (NITP, MTP) are dropped;
+  """(graphdef, params) of the inference model: training-only heads (NITP, MTP, a drafter) are dropped;
   `shardings` as checkpoint.saved_params takes them."""
   params = checkpoint.saved_params(directory, cfg, step, shardings)
   graphdef, abstract = abstract_model(cfg.model)

@@ -11,8 +11,8 @@ def build_model(cfg, rngs):
   """Build the model that `model.name` names.
 
   Pass `cfg.model` for the inference model, or the whole config for the training model, which
-  adds the training-only heads its `nitp` / `mtp` sections enable (docs/aux.md) and takes its
-  attention kernel from `kernels.attention` ("auto" otherwise).
+  adds the training-only heads its `nitp` / `mtp` sections enable (docs/aux.md), and a drafter run's
+  `drafter` (docs/ncp.md), and takes its attention kernel from `kernels.attention` ("auto" otherwise).
   """
   whole = cfg if "model" in cfg else None
   m = whole.model if whole else cfg

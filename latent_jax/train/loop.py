@@ -81,7 +81,7 @@ def run(cfg, workdir, allow_data_change, started):
                                                           rows, step - phase.start)
 
   # Model and state shardings (every phase's optimiser state has the same structure).
-  graphdef, abstract_params = abstract_model(cfg)  # with the training-only heads (NITP, MTP)
+  graphdef, abstract_params = abstract_model(cfg)  # with the training-only heads (NITP, MTP, a drafter)
   axes = axes_tree(abstract_params)
   trains = trainable_mask(axes, cfg.optim.get("trainable", "all"))
   if len(plan) > 1 and cfg.tst.reinit_embeddings_at_switch:
