@@ -114,6 +114,8 @@ def validate(cfg):
   """Reject impossible settings before anything is traced."""
   if "target" in cfg:  # the draft command's (configs/tiny_drafter.py): its run's config is validated once built
     return validate_draft(cfg)
+  if is_ladder(cfg):  # the ladder command's (configs/ladder_cpu.py): its points' configs are validated as built
+    return validate_ladder(cfg)
   for section in ("model", "data", "train", "optim", "mesh", "kernels"):
     check(section in cfg, section, "missing section; start from configs/tiny.py.")
   m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
@@ -382,4 +384,49 @@ def validate_draft(cfg):
   for f in ("prompts", "prompt_len", "max_new_tokens"):
     check(isinstance(cfg.eval[f], int) and cfg.eval[f] >= 1, f"eval.{f}",
           f"must be a positive integer, got {cfg.eval[f]!r}.")
+  return cfg
+
+
+def is_ladder(cfg):
+  """A ladder config (python -m latent_jax.ladder, configs/ladder_cpu.py), not a training run's."""
+  return "methods" in cfg and "budgets" in cfg
+
+
+def validate_ladder(cfg):
+  """The ladder's own fields (docs/ladder.md); each point's training config is checked as the ladder builds it."""
+  for section in ("methods", "family", "rule", "train"):
+    check(section in cfg, section, "missing section; start from configs/ladder_cpu.py.")
+  check(isinstance(cfg.data, str) and cfg.data.strip() != "", "data",
+        "is empty; name a token store (python -m latent_jax.prepare ... --out DIR).")
+  check(len(cfg.methods) >= 1, "methods", "is empty; add one, e.g. methods.baseline = method('tiny.py').")
+  for name, m in cfg.methods.items():
+    check(isinstance(m.get("recipe"), str) and m.recipe.strip() != "", f"methods.{name}.recipe",
+          "is empty; name a config file, e.g. 'tiny.py' (relative to the ladder config's folder).")
+    for o in m.get("overrides", ()):
+      check(isinstance(o, str) and "=" in o, f"methods.{name}.overrides", f"{o!r} is not 'a.b=value'.")
+  check(cfg.reference in cfg.methods, "reference", f"{cfg.reference!r} is not one of the methods {list(cfg.methods)}.")
+  check(len(cfg.budgets) >= 1 and all(isinstance(b, (int, float)) and b > 0 for b in cfg.budgets), "budgets",
+        f"must be positive FLOPs, e.g. (2e12, 5e12), got {cfg.budgets!r}.")
+  check(len(set(cfg.budgets)) == len(cfg.budgets), "budgets", f"{cfg.budgets!r} repeats a budget.")
+  check(len(cfg.sizes) >= 1 and all(re.match(r"^\d+x\d+$", str(s)) for s in cfg.sizes), "sizes",
+        f"must be WIDTHxDEPTH strings, e.g. ('64x2', '96x3'), got {cfg.sizes!r}.")
+  check(isinstance(cfg.sizes_per_budget, int) and cfg.sizes_per_budget >= 0, "sizes_per_budget",
+        f"must be an integer >= 0 (0: every size), got {cfg.sizes_per_budget!r}.")
+  check(cfg.tokens_per_param > 0, "tokens_per_param", f"must be > 0, got {cfg.tokens_per_param!r}.")
+  check(len(cfg.seeds) >= 1 and all(isinstance(s, int) for s in cfg.seeds), "seeds",
+        f"must be integers, e.g. (0, 1), got {cfg.seeds!r}.")
+  check(isinstance(cfg.seq_len, int) and cfg.seq_len >= 2, "seq_len", f"must be an integer >= 2, got {cfg.seq_len!r}.")
+  f, r, t = cfg.family, cfg.rule, cfg.train
+  check(isinstance(f.head_dim, int) and f.head_dim >= 1, "family.head_dim", f"must be a positive integer, got {f.head_dim!r}.")
+  check(isinstance(f.kv_group, int) and f.kv_group >= 1, "family.kv_group", f"must be a positive integer, got {f.kv_group!r}.")
+  check(f.mlp_ratio > 0, "family.mlp_ratio", f"must be > 0, got {f.mlp_ratio!r}.")
+  check(len(f.concept_split) == 3 and all(x > 0 for x in f.concept_split), "family.concept_split",
+        f"must be three positive fractions of depth (encoder, concept, decoder), got {f.concept_split!r}.")
+  for name in ("params", "batch_tokens", "lr"):
+    check(r[name] > 0, f"rule.{name}", f"must be > 0, got {r[name]!r}.")
+  check(0 <= r.warmup_fraction < 1, "rule.warmup_fraction", f"must be in [0, 1), got {r.warmup_fraction!r}.")
+  check(0 < t.checkpoint_fraction <= 1, "train.checkpoint_fraction", f"must be in (0, 1], got {t.checkpoint_fraction!r}.")
+  check(isinstance(t.eval_batches, int) and t.eval_batches >= 0, "train.eval_batches",
+        f"must be an integer >= 0 (0: the whole validation split), got {t.eval_batches!r}.")
+  check(isinstance(t.log_every, int) and t.log_every >= 1, "train.log_every", f"must be >= 1, got {t.log_every!r}.")
   return cfg

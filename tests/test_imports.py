@@ -24,7 +24,8 @@ LAYERS = {
     "latent_jax.train.__main__": "commands", "latent_jax.eval": "commands", "latent_jax.generate": "commands",
     "latent_jax.export": "commands", "latent_jax.plan": "commands", "latent_jax.prepare": "commands",
     "latent_jax.draft": "commands", "latent_jax.convert": "commands", "latent_jax.evaluate": "commands",
-    "latent_jax.harness": "commands",  # lm-eval's model, loaded by the evaluate command only
+    "latent_jax.harness": "commands",
+    "latent_jax.ladder": "commands",  # lm-eval's model, loaded by the evaluate command only
 }
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import tqdm
 from flax import nnx
 
-from latent_jax.config import ConfigError, validate
+from latent_jax.config import ConfigError, is_ladder, validate
 from latent_jax import distributed, sharding
 from latent_jax.cli import writable_dir
 from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, save_tokenizer

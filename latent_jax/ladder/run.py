@@ -1,0 +1,121 @@
+"""ladder run: train the points here, one after another, each with the train command in its own process.
+
+A point whose result is recorded (RESULTS/points/NAME.json) is only read; a point whose workdir
+holds a finished run is recorded from it; a partial workdir resumes (train's own resume). A point
+that stops on a signal stops the ladder (run it again to go on); one that diverges (a non-finite
+loss) is recorded as such and the ladder goes on. Results are small JSON files meant to be committed,
+so that a ladder stopped on one machine goes on on another from what was committed.
+"""
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+
+from latent_jax import paths
+from latent_jax.train.metrics import read_metrics
+
+
+def results_dir(ladder, workdir):
+  return ladder.results or os.path.join(workdir, "results")
+
+
+def result_path(ladder, workdir, point):
+  return os.path.join(results_dir(ladder, workdir), "points", point.name + ".json")
+
+
+def read_result(ladder, workdir, point):
+  """The recorded result of a point, or None."""
+  path = result_path(ladder, workdir, point)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def finished_metrics(workdir, point):
+  """The metrics row of a finished run of the point in its workdir (its last step, with val_loss), or None."""
+  rows = read_metrics(os.path.join(workdir, point.name))
+  done = [r for r in rows if r["step"] == point.steps and "val_loss" in r]
+  return done[-1] if done else None
+
+
+def processor():
+  """The CPU model (where it can be read) or the accelerator kind: what a point's wall time was measured on."""
+  if jax.default_backend() != "cpu":
+    return jax.devices()[0].device_kind
+  try:
+    with open("/proc/cpuinfo") as f:
+      name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    name = platform.processor() or platform.machine()
+  return f"{name}, {os.cpu_count()} cores"
+
+
+def record(ladder, workdir, point, row, seconds, status="done"):
+  """Write the point's result file: the plan's figures and what the run measured."""
+  result = {**point.__dict__, "recipe": os.path.relpath(point.recipe), "overrides": list(point.overrides),
+            "status": status, "val_loss": row.get("val_loss"), "val_bpb": row.get("val_bpb"),
+            "flops_logged": row.get("flops"), "tokens_logged": row.get("tokens"), "seconds": round(seconds, 1),
+            "machine": processor(), "jax": jax.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+  path = result_path(ladder, workdir, point)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  paths.write_atomic(path, lambda f: f.write((json.dumps(result, indent=1) + "\n").encode()))
+  return result
+
+
+def train_point(point, workdir):
+  """Run the point's train command; (exit code, the last stderr line). SIGTERM/SIGINT reach the child,
+  which saves a checkpoint and exits; the ladder then stops."""
+  command = [sys.executable, "-m", "latent_jax.train", "--config", point.recipe,
+             *[f"--config.{o}" for o in point.overrides], "--workdir", os.path.join(workdir, point.name)]
+  child = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+  forward = lambda signum, frame: child.send_signal(signum)
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    last = ""
+    for line in child.stderr:  # passed through: train's progress bar and messages
+      sys.stderr.write(line)
+      if line.strip():
+        last = line.strip()
+    return child.wait(), last
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def run(ladder, workdir, points, log=print):
+  """Train every point not yet recorded; returns the number left unfinished (0: all recorded)."""
+  for i, point in enumerate(points):
+    prefix = f"[{i + 1}/{len(points)}] {point.name}"
+    result = read_result(ladder, workdir, point)
+    if result:
+      log(f"{prefix}: recorded ({result['status']}, val_loss {result['val_loss']})")
+      continue
+    row = finished_metrics(workdir, point)
+    if row:
+      record(ladder, workdir, point, row, seconds=0.0)
+      log(f"{prefix}: finished in {os.path.join(workdir, point.name)}, recorded (val_loss {row['val_loss']:.4f})")
+      continue
+    log(f"{prefix}: training {point.steps} steps of {point.batch_size} x {point.tokens // point.steps // point.batch_size} "
+        f"tokens ({point.flops:.3g} FLOPs)")
+    start = time.perf_counter()
+    code, last = train_point(point, workdir)
+    seconds = time.perf_counter() - start
+    row = finished_metrics(workdir, point)
+    if row:
+      record(ladder, workdir, point, row, seconds)
+      log(f"{prefix}: val_loss {row['val_loss']:.4f} in {seconds / 60:.1f} min -> {result_path(ladder, workdir, point)}")
+    elif code == 2 and "non-finite" in last:
+      record(ladder, workdir, point, {}, seconds, status="diverged")
+      log(f"{prefix}: diverged ({last}); recorded, going on")
+    else:
+      log(f"{prefix}: stopped before its last step (exit code {code}); run the ladder again to resume it")
+      return len(points) - i
+  return 0
