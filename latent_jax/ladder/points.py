@@ -23,6 +23,10 @@ EMBEDDINGS = ("embed", "lm_head")  # left out of N, as Kaplan et al. and NCP's A
 SIZE = re.compile(r"^(\d+)x(\d+)$")
 
 
+class TooFewSteps(ConfigError):
+  """A budget that buys a size too few steps (another size may do)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Point:
   name: str               # METHOD_BUDGET_SIZE_sSEED, its workdir's and its result file's name
@@ -66,6 +70,9 @@ def parse_size(size):
 def size_overrides(size, family, model_name):
   """The model fields of one size of the family."""
   width, depth = parse_size(size)
+  if width % family.head_dim:
+    raise ConfigError(f"sizes: {size!r} has d_model {width}, not a multiple of family.head_dim={family.head_dim}; "
+                      "choose widths that are.")
   heads = width // family.head_dim
   out = [f"model.d_model={width}", f"model.num_heads={heads}", f"model.num_kv_heads={max(1, heads // family.kv_group)}",
          f"model.head_dim={family.head_dim}", f"model.mlp_dim={round(family.mlp_ratio * width)}"]
@@ -125,8 +132,8 @@ def make_point(ladder, name, budget, size, seed, train_tokens, data):
     model_name = load_config(recipe, base).model.name
   except ConfigError as e:
     raise ConfigError(f"methods.{name}: {e}") from None
+  sized = base + size_overrides(size, ladder.family, model_name)
   try:
-    sized = base + size_overrides(size, ladder.family, model_name)
     cfg = load_config(recipe, sized)
   except ConfigError as e:
     raise ConfigError(f"sizes: {size!r} does not fit method {name!r} ({recipe}): {e}") from None
@@ -136,7 +143,7 @@ def make_point(ladder, name, budget, size, seed, train_tokens, data):
   trial = load_config(recipe, sized + [f"data.batch_size={rows}", "train.steps=1000"])
   steps = round(budget / (counted_flops(trial, ladder.count_lm_head)[0] / 1000))
   if steps < 1 or ("tst" in trial and trial.tst.enabled and steps < 4):
-    raise ConfigError(f"budgets: {budget:.3g} FLOPs buys {name} at {size} {steps} steps of {rows} x {ladder.seq_len} "
+    raise TooFewSteps(f"budgets: {budget:.3g} FLOPs buys {name} at {size} {steps} steps of {rows} x {ladder.seq_len} "
                       "tokens, too few to train; raise the budget or use smaller sizes.")
   warmup = max(1, round(ladder.rule.warmup_fraction * steps))
   checkpoint_every = max(1, round(ladder.train.checkpoint_fraction * steps))
@@ -165,10 +172,8 @@ def pick_sizes(ladder, budget, seed, data):
   for size in ladder.sizes:
     try:
       candidates.append(make_point(ladder, ladder.reference, budget, size, seed, float("inf"), data))
-    except ConfigError as e:
-      if str(e).startswith("sizes:"):
-        raise
-      # too few steps at this size: a smaller one may do; none at all is refused below
+    except TooFewSteps:
+      pass  # a smaller size may do; none at all is refused below
   k = ladder.sizes_per_budget or len(ladder.sizes)
   chosen = sorted(candidates, key=lambda p: abs(math.log(p.tokens / p.params / ladder.tokens_per_param)))[:k]
   if len(chosen) < min(k, len(ladder.sizes)):
