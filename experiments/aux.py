@@ -6,10 +6,10 @@ Every run reads the same data for the same steps, at the comparison budget of
 experiments/common.py (equal tokens; the heads add FLOPs, logged).
 Writes experiments/results/aux.{md,json,png}: final validation loss per seed, and each method's
 change against its base run beside the papers' (docs/aux.md). `--steps N` shortens every run
-to prove the script works (a smoke test, written to results/aux_smoke.*, not a result).
+to prove the script works (a smoke test, written under ROOT/smokeN, never to results/).
 """
 
-from common import arguments, budget, run_seeds, summarise, write_results
+from common import arguments, budget, run_seeds, summarise, results_dir, write_results
 
 RUNS = [  # name, config, overrides, the run it is compared with (run after its own: they are shared)
     ("baseline", "tiny.py", [], None),
@@ -38,14 +38,13 @@ def main():
   runs = {name: run_seeds(name, config, overrides + extra, seeds, args.root) for name, config, extra, _ in order}
   runs = {name: runs[name] for name, *_ in RUNS}
   table = summarise(runs)
-  stem = "aux_smoke" if args.steps else "aux"
   described = ", ".join(f"{n} = configs/{c} {' '.join(e)}".strip() for n, c, e, _ in RUNS)
   lines = ["| run | vs | change in mean val_loss | paper (final loss) |", "|---|---|---|---|"]
   for name, _, _, base in RUNS:
     delta = f"{table[name][1] - table[base][1]:+.4f}" if base else ""
     lines.append(f"| {name} | {base or ''} | {delta} | {PAPERS[name]} |")
-  write_results(stem, table, runs, "# Auxiliary objectives on the tiny recipes (KJV, equal tokens)\n\n"
-                f"Runs: {described}; overrides {overrides}, seeds {seeds}.", args.root, footer="\n".join(lines))
+  write_results("aux", table, runs, "# Auxiliary objectives on the tiny recipes (KJV, equal tokens)\n\n"
+                f"Runs: {described}; overrides {overrides}, seeds {seeds}.", args.root, footer="\n".join(lines), out=results_dir(args))
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 

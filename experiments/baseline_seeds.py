@@ -5,7 +5,7 @@
 The spread sets the scale for every method comparison at this size: a difference smaller
 than a few seed standard deviations is not a result. Writes experiments/results/baseline_seeds.*.
 """
-from common import arguments, run_seeds, summarise, write_results
+from common import arguments, run_seeds, summarise, results_dir, write_results
 
 
 def main():
@@ -14,7 +14,8 @@ def main():
   runs = {"baseline (configs/tiny.py)": run_seeds("baseline_600", "tiny.py", [], seeds, args.root)}
   table = summarise(runs)
   write_results("baseline_seeds", table, runs,
-                "# Seed spread of the tiny baseline (KJV, 600 steps x 16 x 128 tokens)", args.root)
+                "# Seed spread of the tiny baseline (KJV, 600 steps x 16 x 128 tokens)", args.root,
+                out=results_dir(args))
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 

@@ -18,7 +18,7 @@ import sys
 
 import jax
 
-from latent_jax import load_config
+from latent_jax import distributed, load_config
 from latent_jax.train.loop import train
 from latent_jax.train.metrics import read_metrics
 
@@ -36,15 +36,36 @@ def budget(smoke_steps=0):
   return [*COMPARISON, *smoke]
 
 
+distributed.quiet_absent_tpu()  # an installed libtpu (the tpu extra) stays quiet here, as in the commands
+
+
+class Arguments(argparse.ArgumentParser):
+  """The scripts' flags; a smoke run (--steps N) trains and writes under ROOT/smokeN, never beside real runs
+  (which would resume from its few steps) nor in experiments/results."""
+
+  def parse_args(self, *a, **k):
+    args = super().parse_args(*a, **k)
+    if getattr(args, "steps", 0):
+      args.root = os.path.join(args.root, f"smoke{args.steps}")
+    return args
+
+
 def arguments(doc, seeds="0,1", smoke=True):
   """The experiment scripts' shared flags: --root, --seeds (and --steps for a smoke run)."""
-  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = Arguments(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--root", default="runs/experiments")
   p.add_argument("--seeds", default=seeds, type=lambda text: [int(s) for s in text.split(",")])
   if smoke:
-    p.add_argument("--steps", type=int, default=0, help="a smoke run of this many steps (not comparable; "
-                   "use another --root)")
+    p.add_argument("--steps", type=int, default=0, help="a smoke run of this many steps, which only checks that "
+                   "the script works: trained and written under ROOT/smokeN")
   return p
+
+
+def results_dir(args):
+  """Where a script writes its table, JSON and plot: experiments/results, or for a smoke run (--steps N,
+  which proves the script works and measures nothing) ROOT/smokeN/results, so that it never
+  overwrites a result."""
+  return os.path.join(args.root, "results") if getattr(args, "steps", 0) else RESULTS
 
 
 def run_seeds(name, config, overrides, seeds, root):
@@ -122,14 +143,16 @@ def provenance(root):
           f"jax {jax.__version__} ({jax.default_backend()}), from the runs under `{root}`.")
 
 
-def write_results(stem, table, runs, header, root, key="val_loss", x="tokens", columns=None, footer="", plot_key=None):
-  """Markdown table + JSON + a plot of `plot_key` (default `key`) against `x` (tokens or flops), in experiments/results/.
+def write_results(stem, table, runs, header, root, key="val_loss", x="tokens", columns=None, footer="", plot_key=None,
+                  out=RESULTS):
+  """Markdown table + JSON + a plot of `plot_key` (default `key`) against `x` (tokens or flops), in `out`
+  (results_dir(args): experiments/results/, or a smoke run's folder).
 
   `columns` {title: {run name: text}} adds columns to the table; `footer` is markdown after it,
   then the provenance line and, if there is one, the hand-written results/STEM_notes.md (what
   was seen, in words), which re-running the script therefore keeps.
   """
-  os.makedirs(RESULTS, exist_ok=True)
+  os.makedirs(out, exist_ok=True)
   columns = columns or {}
   lines = [header, "", f"| run | final {key} per seed | mean | std |{''.join(f' {c} |' for c in columns)}",
            "|---|---|---|---|" + "---|" * len(columns)]
@@ -143,9 +166,9 @@ def write_results(stem, table, runs, header, root, key="val_loss", x="tokens", c
   if os.path.exists(notes):
     with open(notes) as f:
       lines += ["", f"Notes (hand-written, `experiments/results/{stem}_notes.md`):", "", f.read().strip()]
-  with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
+  with open(os.path.join(out, f"{stem}.md"), "w") as f:
     f.write("\n".join(lines) + "\n")
-  with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
+  with open(os.path.join(out, f"{stem}.json"), "w") as f:
     json.dump({name: {str(s): rows for s, rows in by_seed.items()} for name, by_seed in runs.items()}, f)
   try:
     import matplotlib
@@ -164,4 +187,4 @@ def write_results(stem, table, runs, header, root, key="val_loss", x="tokens", c
   ax.set_ylabel(plot_key or key)
   ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(os.path.join(RESULTS, f"{stem}.png"), dpi=120)
+  fig.savefig(os.path.join(out, f"{stem}.png"), dpi=120)

@@ -10,12 +10,12 @@ pooled concept of the same chunk). Each is measured by the mean accepted length 
 of greedy speculative decoding from validation prompts. The drafters learn the data's next tokens;
 `--labels target` trains them on the target's greedy tokens instead (drafter.labels=target).
 Writes experiments/results/drafting.* (drafting_target_labels.*); `--steps N` shortens every
-run to prove the script works (results/drafting_smoke.*).
+run to prove the script works (written under ROOT/smokeN, never to results/).
 """
 import json
 import os
 
-from common import CONFIGS, arguments, budget, run_seeds, summarise, write_results
+from common import CONFIGS, arguments, budget, run_seeds, summarise, results_dir, write_results
 
 from latent_jax import load_config
 from latent_jax.draft import run
@@ -60,13 +60,12 @@ def main():
     acc = [sum(rows[-1]["slot_accuracy"][j] for rows in runs[arm].values()) / len(runs[arm])
            for j in range(cfg.drafter.block_size)]
     lines.append(f"| {arm} | {table[arm][1] / base - 1:+.2%} | {' '.join(f'{a:.3f}' for a in acc)} | {PAPER[arm]} |")
-  stem = "drafting_smoke" if args.steps else name
-  write_results(stem, table, runs, "# Concept-injected block drafting on the tiny NCP model (KJV)\n\n"
+  write_results(name, table, runs, "# Concept-injected block drafting on the tiny NCP model (KJV)\n\n"
                 f"Targets: configs/tiny_ncp.py {' '.join(budget(args.steps))}, seeds {args.seeds}; drafters: "
                 f"configs/tiny_drafter.py drafter.labels={args.labels} {' '.join(smoke)} with train.seed = the "
                 "target's seed. "
                 "MAL: mean tokens committed per verification round (Eq. 27), greedy.", args.root, key="mal",
-                footer="\n".join(lines), plot_key="loss")
+                footer="\n".join(lines), plot_key="loss", out=results_dir(args))
   for arm, (values, mean, spread) in table.items():
     print(f"{arm}: MAL {values} mean {mean:.4f} std {spread:.4f}")
 

@@ -9,7 +9,7 @@ steps (about one pass over the KJV training split, warmup 50), evaluated every 2
 tabulates each method's change against the baseline at both budgets (the 300-step runs are
 those of aux.py and tst.py, read from the same --root). Writes experiments/results/longer.*.
 """
-from common import arguments, budget, run_seeds, summarise, write_results
+from common import arguments, budget, run_seeds, summarise, results_dir, write_results
 
 RUNS = [  # name, config; the baseline first: the others are measured against it
     ("baseline", "tiny.py"),
@@ -29,11 +29,10 @@ def main():
   lines = ["| run | change vs baseline at 300 steps | change vs baseline at 600 steps |", "|---|---|---|"]
   for name, _ in RUNS[1:]:
     lines.append(f"| {name} | {short[name][1] - short['baseline'][1]:+.4f} | {table[name][1] - table['baseline'][1]:+.4f} |")
-  stem = "longer_smoke" if args.steps else "longer"
-  write_results(stem, table, runs, "# NITP and TST at twice the comparison budget (KJV, 600 steps x 16 x 128 tokens)\n\n"
+  write_results("longer", table, runs, "# NITP and TST at twice the comparison budget (KJV, 600 steps x 16 x 128 tokens)\n\n"
                 f"Runs: configs/tiny.py, configs/tiny_nitp.py, configs/tiny_tst.py with {' '.join(long)}, seeds "
                 f"{args.seeds}. Mean final validation NTP loss (nats/token).", args.root, footer="\n".join(lines),
-                columns={"at 300 steps (mean)": {name: f"{short[name][1]:.4f}" for name, _ in RUNS}})
+                columns={"at 300 steps (mean)": {name: f"{short[name][1]:.4f}" for name, _ in RUNS}}, out=results_dir(args))
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 

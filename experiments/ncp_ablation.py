@@ -11,7 +11,7 @@ the final validation NTP loss, FLOPs per token and parameters to experiments/res
 import jax
 from flax import nnx
 
-from common import CONFIGS, arguments, budget, run_seeds, summarise, write_results
+from common import CONFIGS, arguments, budget, run_seeds, summarise, results_dir, write_results
 from latent_jax import build_model, load_config
 from latent_jax.train import flops
 
@@ -49,7 +49,7 @@ def main():
              "params": {r: f"{n / 1e6:.3f}M" for r, (_, n) in cost.items()}}
   write_results("ncp_ablation", table, runs,
                 f"# NCP ablation ladder at tiny size (KJV, 300 steps, configs/ncp_ladder.py, seeds {','.join(map(str, seeds))})",
-                args.root, columns=columns, footer=PAPER)
+                args.root, columns=columns, footer=PAPER, out=results_dir(args))
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 

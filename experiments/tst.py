@@ -14,7 +14,7 @@ Finished runs are only read (experiments/common.py).
 """
 import statistics
 
-from common import arguments, budget, cost_to_reach, run_seeds, summarise, wall_seconds, write_results
+from common import arguments, budget, cost_to_reach, run_seeds, summarise, wall_seconds, results_dir, write_results
 
 # (label, run folder, config, overrides); the baseline last: ncp_ablation.py and aux.py share it.
 RUNS = [
@@ -93,7 +93,8 @@ def main():
             "Paper, 3B: TST matches the baseline's final loss at 36k steps of its run. Paper's ablation: superposing "
             "only the input 3.200, only the output 3.100, both 3.000, baseline 3.275."]
   header = f"# TST vs baseline at equal FLOPs (KJV, 300 steps, configs/tiny_tst.py, seeds {','.join(map(str, seeds))})"
-  write_results("tst", table, runs, header, args.root, x="flops", footer="\n".join(footer), columns=columns)
+  write_results("tst", table, runs, header, args.root, x="flops", footer="\n".join(footer), columns=columns,
+                out=results_dir(args))
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f}")
 
