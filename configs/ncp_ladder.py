@@ -37,7 +37,10 @@ RUNGS = {
 }
 
 
-def get_config(rung="ncp"):
+def get_config(rung=None):
+  if rung is None:  # training one rung silently, unnamed, is a run nobody asked for
+    raise ConfigError(f"--config configs/ncp_ladder.py needs a rung after a colon, e.g. configs/ncp_ladder.py:ncp; "
+                      f"the rungs are {list(RUNGS)}.")
   if rung not in RUNGS:
     raise ConfigError(f"--config configs/ncp_ladder.py:{rung}: unknown rung; pick one of {list(RUNGS)}.")
   name, model, ncp_losses = RUNGS[rung]

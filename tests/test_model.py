@@ -138,5 +138,7 @@ def test_ncp_ladder_rungs_are_the_papers_comparisons():
   assert rung["irc_only"].model.irc and not any(rung["irc_only"].model[r] for r in routes)
   with pytest.raises(ConfigError, match="unknown rung; pick one of"):
     load_config(f"{ladder}:bigger")
+  with pytest.raises(ConfigError, match="needs a rung after a colon"):
+    load_config(ladder)
   with pytest.raises(ConfigError, match="takes no argument"):
     load_config(os.path.join(ROOT, "configs", "tiny.py") + ":ncp")
