@@ -21,7 +21,9 @@ list, so a shared group of them is added with `+`.
 import contextlib
 import os
 import re
+import signal
 import sys
+import threading
 import types
 from typing import Callable, NamedTuple
 
@@ -75,6 +77,21 @@ def errors(*more):
     print("error: " + line, file=sys.stderr)
     distributed.stop_others(line)  # with several processes: they stop too, rather than wait for this one
     raise SystemExit(2) from None
+
+
+def exit_on_interrupt():
+  """Ctrl-C (SIGINT) ends a command that writes nothing (plan) at once, with one line and exit code 130.
+
+  A Python handler alone would wait for a compile in XLA to return (minutes for a large model), and a
+  KeyboardInterrupt can be lost in a callback; so SIGINT is blocked in this thread, and with it in
+  every thread XLA starts later, and a watcher thread takes it. The handler covers a thread started
+  before this call."""
+  def stop(*_):
+    print("error: interrupted (Ctrl-C); nothing was written.", file=sys.stderr, flush=True)
+    os._exit(130)
+  signal.signal(signal.SIGINT, stop)
+  signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  threading.Thread(target=lambda: stop(signal.sigwait({signal.SIGINT})), daemon=True).start()
 
 
 def parse(doc, declared, argv=None):

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
-from latent_jax.config import validate
+from latent_jax.config import trainable_setting, validate
 from latent_jax import cli, distributed, sharding
 from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.train import phases
@@ -155,9 +155,9 @@ def peak_bytes(memory):
   return memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"]
 
 
-def plan(cfg, topology="local", hbm_gib=None, slices=None):
-  """Compile the train step of every phase for `topology` (`slices` of it, else mesh.slices); returns
-  the figures the JSON line prints."""
+def plan(cfg, topology="local", hbm_gib=None, slices=None, reading=True):
+  """Compile the train step of every phase for `topology` (`slices` of it, else mesh.slices), and with
+  `reading` the eval and generation steps; returns the figures the JSON line prints."""
   if slices:
     cfg.mesh.slices = slices
   validate(cfg)
@@ -177,13 +177,13 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None):
   # As in the train loop: the state's shardings and layout are the same in every phase.
   graphdef, abstract_params = abstract_model(cfg)
   axes = axes_tree(abstract_params)
-  tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes)
+  tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes, trainable_setting(cfg))
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   state = steps.abstract_state(cfg, tx, shardings)
   results = []
   for phase in runs:
     print(phase.describe(cfg.data.batch_size))
-    tx, _ = build_optimizer(cfg.optim, phase.schedule_steps, axes)
+    tx, _ = build_optimizer(cfg.optim, phase.schedule_steps, axes, trainable_setting(cfg))
     batch = steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)
     result = {"phase": phase.number, "seq_len": phase.seq_len, "params_bytes": bytes_per_device(state["params"]),
               "opt_state_bytes": bytes_per_device(state["opt_state"]), "batch_bytes": bytes_per_device(batch)}
@@ -197,7 +197,7 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None):
       result["dcn_bytes"] = round(2 * (slices - 1) / slices * result["params_bytes"])
     results.append(result)
     print(report(result, hbm))
-  reading = plan_reading(cfg, mesh, devices[0].platform)
+  reading = plan_reading(cfg, mesh, devices[0].platform) if reading else {}
   for name, r in reading.items():
     print(report_reading(name, r, hbm))
   peak = max(r["peak_bytes"] for r in results)
@@ -265,7 +265,8 @@ def report(r, hbm):
   gib = lambda key, what: f"  {what:<18}{r[key] / GIB:10.3f} GiB"
   fits = "fits" if r["peak_bytes"] <= hbm else f"does NOT fit ({r['peak_bytes'] / hbm:.2f}x the memory)"
   if r["compiled"]:
-    xla = (f"  {'':<18}(XLA's own peak_memory_in_bytes: {r['xla_peak_bytes'] / GIB:.3f} GiB)",
+    xla = (f"  {'':<18}(the peak above decides the fit; XLA's own peak_memory_in_bytes, "
+           f"{r['xla_peak_bytes'] / GIB:.3f} GiB, leaves the temporaries out on CPU)",
            f"  {'FLOPs per step':<18}{r['model_flops']:10.3e} (the model's count, train/flops.py; XLA's count of "
            f"the program, {r['flops']:.3e}, takes a loop's body once: one of the scanned layers)")
   else:
@@ -298,15 +299,19 @@ FLAGS = [cli.CONFIG,
          cli.Flag("slices", int, None, "TPU slices (multislice) of --topology, joined over DCN; sets mesh.slices "
                   "(default: the config's)", lambda n: n >= 1, ">= 1"),
          cli.Flag("hbm_gib", float, None, "memory per device in GiB to fit in; default: the device's, XLA:TPU's "
-                  "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0")
+                  "limit for the chip, or host RAM / N for CPU devices", lambda g: g > 0, "> 0"),
+         cli.Flag("reading", bool, True, "also compile the eval and generation steps (--noreading: the train "
+                  "step alone, which is what a large model's plan mostly waits for)"),
          ] + cli.DISTRIBUTED  # for --topology=local on several hosts
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    if argv is None:  # from a shell (tests call main in their own process)
+      cli.exit_on_interrupt()
     distributed.initialize(args)
-    result = plan(args.config, args.topology, args.hbm_gib, args.slices)
+    result = plan(args.config, args.topology, args.hbm_gib, args.slices, args.reading)
   print(json.dumps(result))
   raise SystemExit(0 if result["fits"] else 1)
 

@@ -65,7 +65,9 @@ def test_plan_on_four_cpu_devices_matches_the_model(tiny_cfg):
   for step in (evaluation, generation):
     assert step["compiled"] and step["temp_bytes"] > 0
     assert step["peak_bytes"] >= step["params_bytes"] + step["temp_bytes"]
-  assert "eval step" in log and "generation step" in log
+  assert "eval step" in log and "generation step" in log and "the peak above decides the fit" in log
+  code, out, log = run_plan("--topology", "cpu:4", *FSDP4, "--noreading")  # the train step alone
+  assert code == 0 and "eval" not in out and "eval step" not in log and out["phases"][0]["compiled"], log
 
 
 @pytest.mark.slow  # the slow tier by measured time (pyproject.toml)
@@ -145,3 +147,16 @@ def test_help(capsys):
   with pytest.raises(SystemExit) as exit_:
     plan.main(["--help"])
   assert exit_.value.code == 0 and "--topology" in capsys.readouterr().out
+
+
+def test_an_interrupted_plan_says_so_in_one_line():
+  """Ctrl-C while plan compiles: one error line and exit code 130, no traceback or stack dump."""
+  import signal
+  argv = [sys.executable, "-u", "-m", "latent_jax.plan", "--config", TINY, *[f"--config.{o}" for o in TINY_OVERRIDES],
+          "--topology", "cpu:2"]
+  child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  child.stdout.readline()  # the devices line: the compiles come next
+  child.send_signal(signal.SIGINT)
+  _, err = child.communicate(timeout=120)
+  assert child.returncode == 130 and err.strip().splitlines()[-1].startswith("error: interrupted"), err
+  assert "Traceback" not in err
