@@ -64,9 +64,11 @@ def run_main(module, argv, capsys):
     ("latent_jax.convert", ["--hf", "{tmp}", "--config", TINY, "--out", "{tmp}/out"], ["--hf", "no config.json"]),
     ("latent_jax.convert", ["--workdir", "{tmp}", "--out", "{tmp}"], ["--out", "exists"]),
     ("latent_jax.convert", ["--workdir", "{tmp}", "--out", "{tmp}/out", "--dtype=int8"], ["--dtype", "bfloat16"]),
-    ("latent_jax.evaluate", ["--workdir", "{tmp}"], ["--tasks"]),
-    ("latent_jax.evaluate", ["--workdir", "{tmp}", "--tasks", "x", "--limit=0"], ["--limit=0", ">= 1"]),
-    ("latent_jax.evaluate", ["--workdir", "{tmp}", "--tasks", "x", "--batch_size=0"], ["--batch_size=0", ">= 1"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--lm_eval_tasks", "x", "--limit=0"], ["--limit=0", ">= 1"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--batch_size=0"], ["--batch_size=0", ">= 1"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--tasks", ","], ["--tasks", "names no task file"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--tasks", "{tmp}/nope.jsonl"], ["--tasks", "nope.jsonl", "does not exist"]),
+    ("latent_jax.tasks", ["--out", "{tmp}/t", "--sets=kjv,nope"], ["--sets", "'nope'", "python_stdlib"]),
 ])
 def test_bad_flags(module, argv, names, tmp_path, capsys):
   before = listing(tmp_path)
@@ -75,14 +77,14 @@ def test_bad_flags(module, argv, names, tmp_path, capsys):
   assert listing(tmp_path) == before
 
 
-def test_evaluate_without_the_eval_extra(tmp_path, capsys, monkeypatch):
-  """lm-eval is an optional extra: without it, evaluate says how to install it."""
+def test_lm_eval_tasks_without_the_eval_extra(tmp_path, capsys, monkeypatch):
+  """lm-eval is an optional extra: without it, eval --lm_eval_tasks says how to install it."""
   import latent_jax
   monkeypatch.setitem(sys.modules, "lm_eval", None)  # what an import sees where the package is not installed
   monkeypatch.delitem(sys.modules, "latent_jax.harness", raising=False)
   monkeypatch.delattr(latent_jax, "harness", raising=False)
-  code, err = run_main("latent_jax.evaluate", ["--workdir", str(tmp_path), "--tasks", "x"], capsys)
-  check_one_error_line(code, err, ["lm-evaluation-harness is not installed", "pip install -e '.[eval]'"])
+  code, err = run_main("latent_jax.eval", ["--workdir", str(tmp_path), "--lm_eval_tasks", "x"], capsys)
+  check_one_error_line(code, err, ["--lm_eval_tasks", "lm-evaluation-harness is not installed", "pip install -e '.[eval]'"])
 
 
 @pytest.mark.parametrize("module", CLIS + ("latent_jax.plan", "latent_jax.prepare"))
@@ -265,3 +267,14 @@ def test_no_libtpu_warnings_without_a_tpu(tmp_path, corpus_dir):
   for args, names in cases:
     out = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     check_one_error_line(out.returncode, out.stderr, names)
+
+
+def test_train_prints_a_configs_fields(capsys):
+  """--print_config shows every field with the overrides applied, and trains nothing (no --workdir needed)."""
+  from latent_jax.train.__main__ import main
+  main(["--config", TINY, "--print_config", "--config.model.d_model=96"])
+  out = capsys.readouterr().out
+  assert "d_model: 96" in out and "num_layers: 4" in out and "eval_every: 200" in out
+  with pytest.raises(SystemExit):
+    main(["--help"])
+  assert "--print_config" in capsys.readouterr().out
