@@ -1,4 +1,6 @@
-"""Metrics to WORKDIR/metrics.jsonl (one JSON object per logged step) and TensorBoard.
+"""Metrics to WORKDIR/metrics.jsonl (one JSON object per logged step), TensorBoard, and optionally
+Weights & Biases (train.wandb_project, the `wandb` extra): the same scalars, the run's config, and on
+resume the same W&B run (its id is kept in WORKDIR/wandb_run_id).
 
 Process 0 keeps metrics.jsonl open for the run and flushes each row as it writes it, so a local
 file holds every row logged so far. A bucket has no appends, and an object appears only when its
@@ -10,6 +12,7 @@ import json
 import math
 import os
 import time
+import uuid
 
 import jax
 
@@ -19,10 +22,10 @@ UPLOAD_SECONDS = 300.0  # a long run's rows (~50 MB at 7B scale) are uploaded wh
 
 
 class MetricsWriter:
-  def __init__(self, workdir, resume_step=0):
+  def __init__(self, workdir, resume_step=0, cfg=None):
     self.enabled = jax.process_index() == 0
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self.file = self.tb = self.rows = None
+    self.file = self.tb = self.rows = self.wandb = None
     if not self.enabled:
       return
     # On resume, forget rows logged after the restored checkpoint: they will be logged again.
@@ -37,6 +40,8 @@ class MetricsWriter:
       self.file.flush()
     from tensorboardX import SummaryWriter  # imported here: only the writing process needs it
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+    if cfg is not None and cfg.train.get("wandb_project"):
+      self.wandb = open_wandb(workdir, cfg)
 
   def write(self, step, metrics, upload=False):
     """One row; `upload`: in a bucket, upload the rows now (the loop asks after an evaluation)."""
@@ -50,9 +55,11 @@ class MetricsWriter:
       self.rows.append(json.dumps(row) + "\n")
       if upload or time.monotonic() - self.uploaded >= UPLOAD_SECONDS:
         self.upload()
-    for k, v in row.items():
-      if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-        self.tb.add_scalar(k, v, step)
+    scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+    for k, v in scalars.items():
+      self.tb.add_scalar(k, v, step)
+    if self.wandb is not None:
+      self.wandb.log(scalars, step=int(step))
 
   def upload(self):
     """Write the bucket's metrics.jsonl whole: one object, every row so far."""
@@ -66,6 +73,23 @@ class MetricsWriter:
       self.upload()
     if self.tb is not None:
       self.tb.close()
+    if self.wandb is not None:
+      self.wandb.finish()
+
+
+def open_wandb(workdir, cfg):
+  """The run's W&B run: a new one, or on resume the one whose id WORKDIR/wandb_run_id keeps. W&B drops
+  rows of steps it has already seen, so a resumed run's re-logged steps (after its checkpoint) are skipped
+  there; metrics.jsonl and TensorBoard rewrite them."""
+  import wandb  # the wandb extra; config validation has checked that it is installed
+  id_path = os.path.join(workdir, "wandb_run_id")
+  if paths.path(id_path).exists():
+    run_id = paths.path(id_path).read_text().strip()
+  else:
+    run_id = uuid.uuid4().hex[:12]
+    paths.write_atomic(id_path, lambda f: f.write(run_id.encode()))
+  return wandb.init(project=cfg.train.wandb_project, id=run_id, resume="allow", name=os.path.basename(
+      os.path.abspath(workdir)), config=cfg.to_dict(), dir=workdir)
 
 
 def to_python(v):
