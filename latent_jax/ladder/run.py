@@ -9,7 +9,6 @@ so that a ladder stopped on one machine goes on on another from what was committ
 import datetime
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import time
 import jax
 
 from latent_jax import paths
+from latent_jax.train import flops
 from latent_jax.train.metrics import read_metrics
 
 
@@ -45,24 +45,12 @@ def finished_metrics(workdir, point):
   return done[-1] if done else None
 
 
-def processor():
-  """The CPU model (where it can be read) or the accelerator kind: what a point's wall time was measured on."""
-  if jax.default_backend() != "cpu":
-    return jax.devices()[0].device_kind
-  try:
-    with open("/proc/cpuinfo") as f:
-      name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    name = platform.processor() or platform.machine()
-  return f"{name}, {os.cpu_count()} cores"
-
-
 def record(ladder, workdir, point, row, seconds, status="done"):
   """Write the point's result file: the plan's figures and what the run measured."""
   result = {**point.__dict__, "recipe": os.path.relpath(point.recipe), "overrides": list(point.overrides),
             "status": status, "val_loss": row.get("val_loss"), "val_bpb": row.get("val_bpb"),
             "flops_logged": row.get("flops"), "tokens_logged": row.get("tokens"), "seconds": round(seconds, 1),
-            "machine": processor(), "jax": jax.__version__,
+            "machine": flops.processor(), "jax": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
   path = result_path(ladder, workdir, point)
   os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -4,6 +4,9 @@ Counting follows the usual convention: a multiply-add is 2 FLOPs, the backward p
 twice the forward, embedding gathers are free, and attention over a causal mask counts only
 the keys each query can see (so a sliding window costs less than full attention).
 """
+import json
+import os
+import platform
 import time
 
 import jax
@@ -76,18 +79,61 @@ def concept_forward_flops(m, seq_len):
 
 
 def peak_flops(configured=0.0, dtype=jnp.float32):
-  """Per-device peak: the configured value, else the data sheet for the device, else measured."""
+  """Per-device peak: the configured value, else the data sheet for the device, else measured once on
+  this machine and kept (kept_peak)."""
   if configured:
     return float(configured), "config"
   kind = jax.devices()[0].device_kind
   for name, value in KNOWN_PEAK_FLOPS.items():
     if kind.startswith(name):
       return value, kind
-  return measure_matmul_peak(dtype), f"measured {kind} matmul"
+  return kept_peak(dtype)
+
+
+def processor():
+  """The CPU model (where /proc/cpuinfo says) and core count, or the accelerator kind."""
+  if jax.default_backend() != "cpu":
+    return jax.devices()[0].device_kind
+  try:
+    with open("/proc/cpuinfo") as f:
+      name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    name = platform.processor() or platform.machine()
+  return f"{name}, {os.cpu_count()} cores"
+
+
+def peak_cache():
+  return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "latent_jax", "peak_flops.json")
+
+
+def kept_peak(dtype=jnp.float32):
+  """(FLOP/s, where it comes from) of a device with no data sheet: measured the first time on this machine
+  (processor, cores, backend, dtype, jax version), then read from peak_cache(), so that every run here
+  divides by the same figure (measured at each start-up, it moved 2.5x between runs of one machine, and
+  MFU with it). Delete the file to measure again, or set train.peak_flops."""
+  path = peak_cache()
+  key = f"{processor()} | {jax.default_backend()} | {jnp.dtype(dtype).name} | jax {jax.__version__}"
+  try:
+    with open(path) as f:
+      kept = json.load(f)
+  except (OSError, ValueError):
+    kept = {}
+  if key not in kept:
+    kept[key] = measure_matmul_peak(dtype, repeats=20)
+    try:
+      os.makedirs(os.path.dirname(path), exist_ok=True)
+      tmp = f"{path}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        json.dump(kept, f, indent=1)
+      os.replace(tmp, path)
+    except OSError:  # a read-only home: measured for this run only
+      return kept[key], f"measured {key} matmul (not kept: {path} is not writable)"
+  return kept[key], f"{key} matmul, measured once and kept in {path}"
 
 
 def measure_matmul_peak(dtype=jnp.float32, n=None, repeats=5):
-  """FLOP/s of a jitted square matmul on the default device: this machine's practical peak.
+  """FLOP/s of a jitted square matmul on the default device, its fastest of `repeats`: this machine's
+  practical peak (the fastest run is the least disturbed by other work on the machine).
 
   n: 1024 on a CPU (measured at every start-up there), 8192 on an accelerator, which a smaller
   product leaves far from its peak (a 1,536 one ran an H200 at 24-55 of its 989 TFLOP/s)."""
@@ -100,7 +146,7 @@ def measure_matmul_peak(dtype=jnp.float32, n=None, repeats=5):
     start = time.perf_counter()
     matmul(a).block_until_ready()
     times.append(time.perf_counter() - start)
-  return 2 * n**3 / float(np.median(times))
+  return 2 * n**3 / float(np.min(times))
 
 
 def aux_forward_flops(cfg, seq_len):
