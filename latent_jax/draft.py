@@ -35,7 +35,8 @@ def run_config(cfg, target_cfg):
   OVERLAID sections replacing the target's, its `drafter` section, the target's params to start from
   (train.init_from) and the drafter alone training (optim.trainable), validated."""
   run = ml_collections.ConfigDict(target_cfg.to_dict())  # unlocked: it gains a drafter section
-  for section in ("tst", "nitp", "mtp"):  # the target's own objectives: the drafter's replaces them
+  # The target's own objectives (the drafter's replaces them) and LoRA (a LoRA target is read merged).
+  for section in ("tst", "nitp", "mtp", "lora"):
     if section in run:
       run[section].enabled = False
   for section in OVERLAID:

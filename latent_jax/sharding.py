@@ -31,6 +31,7 @@ RULES = {
     "act_embed": None,
     "length": None,
     "head_dim": None,
+    "lora": None,  # a LoRA factor's rank dim (nn/lora.py): small, replicated
 }
 
 

@@ -26,10 +26,10 @@ def keep_like(tree, like):
 
 
 def inference_config(cfg):
-  """A copy of cfg that builds no training-only heads (what an export's params hold): a drafter run's
-  is its frozen target's."""
+  """A copy of cfg that builds no training-only heads and no LoRA factors (what an export's params hold): a
+  drafter run's is its frozen target's."""
   cfg = ml_collections.ConfigDict(cfg.to_dict())  # unlocked: a section may go
-  for section in ("nitp", "mtp"):
+  for section in ("nitp", "mtp", "lora"):  # LoRA: the params read hold the adapters merged (saved_params)
     if section in cfg:
       cfg[section].enabled = False
   if "drafter" in cfg:

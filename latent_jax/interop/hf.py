@@ -17,10 +17,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax.config import validate
+from latent_jax.config import lora_enabled, validate
 from latent_jax import cli, paths
 from latent_jax.data.tokenizer import Tokenizer
 from latent_jax.nn import abstract_model
+from latent_jax.nn.lora import A, B, lora_merge
 from latent_jax import checkpoint
 from latent_jax.infer import load
 from latent_jax.interop import olmo3
@@ -118,6 +119,8 @@ def export_hf(workdir, out, step=None, dtype=None, max_file_bytes=5 * 2**30):
   compute dtype, as export.py)."""
   check_out(out)
   cfg, step = checkpoint.load_config(workdir, step)
+  saved = param_shapes(cfg) if lora_enabled(cfg) else {}  # a LoRA run's factors, merged as they are read
+  alpha = cfg.lora.alpha if saved else None
   cfg = load.inference_config(cfg)
   olmo3.check_expressible(cfg.model, f"--workdir {workdir}")
   tokenizer = checkpoint.load_tokenizer(workdir, cfg)
@@ -133,6 +136,9 @@ def export_hf(workdir, out, step=None, dtype=None, max_file_bytes=5 * 2**30):
     writer = Writer(out, [(name, shape, dtype) for name, _, _, _, shape in plan], max_file_bytes)
     for path, shape in shapes.items():
       value = restore_one(params, path, shape)
+      if path + A in saved:  # W + alpha / r * A @ B, as checkpoint.merge_lora gives every other reader
+        a, b = (restore_one(params, path + s, saved[path + s]) for s in (A, B))
+        value = np.asarray(lora_merge(value, a, b, alpha / a.shape[-1]))
       for name, _, layer, transposed, _ in (t for t in plan if t[1] == path):
         x = value if layer is None else value[layer]
         writer.write(name, np.ascontiguousarray(x.T if transposed else x).astype(dtype))

@@ -2,17 +2,20 @@
 builds one without allocating, and `axes_tree` reads the logical axes of its params."""
 from flax import nnx
 
+from latent_jax.config import lora_enabled
 from latent_jax.nn.auxiliary import add_heads
 from latent_jax.nn.baseline import BaselineLM, ModelOutput
 from latent_jax.nn.concept import ConceptLM
+from latent_jax.nn.lora import add_lora
 
 
 def build_model(cfg, rngs):
   """Build the model that `model.name` names.
 
   Pass `cfg.model` for the inference model, or the whole config for the training model, which
-  adds the training-only heads its `nitp` / `mtp` sections enable (docs/aux.md), and a drafter run's
-  `drafter` (docs/ncp.md), and takes its attention kernel from `kernels.attention` ("auto" otherwise).
+  adds the training-only heads its `nitp` / `mtp` sections enable (docs/aux.md), a drafter run's
+  `drafter` (docs/ncp.md) and the LoRA factors of `lora` (docs/lora.md), and takes its attention kernel
+  from `kernels.attention` ("auto" otherwise).
   """
   whole = cfg if "model" in cfg else None
   m = whole.model if whole else cfg
@@ -22,6 +25,8 @@ def build_model(cfg, rngs):
   if not whole:
     return model
   model = add_heads(model, whole, rngs)
+  if lora_enabled(whole):
+    model = add_lora(model, whole, rngs)
   model.set_attributes(attention_impl=whole.kernels.get("attention", "auto"))
   return model
 

@@ -20,9 +20,12 @@ from latent_jax.sharding import constrain, per_batch_shard
 from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
 from latent_jax.nn.baseline import ModelOutput, default_positions
-from latent_jax.nn.layers import TOKENS, RMSNorm, embed_lookup, kv_cache, param, remat, stacked_blocks
+from latent_jax.nn.layers import TOKENS, RMSNorm, embed_lookup, keep_qk_stats, kv_cache, param, qk_stats, remat, stacked_blocks
 
 CODEBOOK_INIT_STD = 0.02  # released code: codebook [S, N, d/S] ~ N(0, 0.02)
+# What the NCP paper's VQ adaptation (Sec. 5.1) trains: the codebook and the concept prediction heads
+# (with the norm in front of them); optim.trainable="vq" (train/optim.py) and lora.rank="auto" (nn/lora.py).
+VQ_PARAMS = r"codebook|heads|head_norm/.*"
 
 
 def const(shape, value, axes, dtype):
@@ -82,9 +85,10 @@ class ResidualStack(nnx.Module):
       normed, positions, segment_ids = consts
       for s, p in zip(normed, layer["crc"]):  # routes apply in turn: encoder, then concept
         x = C.cross_module_residual(x, s, *p)
-      out, layer_cache = nnx.merge(graphdef, layer["block"])(constrain(x, TOKENS), positions, segment_ids,
-                                                              layer["window"], layer["cache"], cache_index)
-      out = constrain(out, TOKENS)
+      block = nnx.merge(graphdef, layer["block"])
+      out, layer_cache = block(constrain(x, TOKENS), positions, segment_ids, layer["window"], layer["cache"],
+                               cache_index)
+      out, layer_cache = constrain(out, TOKENS), (layer_cache, qk_stats(block))
       if not self.irc:
         return (out, history), (out, layer_cache)
       latest = layer["l"] + 1
@@ -101,8 +105,9 @@ class ResidualStack(nnx.Module):
       x, outs = history_scan(body, x, history, layers, consts)
       return x, outs, None
     body = remat(body, self.remat)
-    (x, _), (outs, cache) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history), layers,
-                                         unroll=self.unroll)
+    (x, _), (outs, (cache, stats)) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history),
+                                                  layers, unroll=self.unroll)
+    keep_qk_stats(self, stats)
     return x, outs, cache
 
   def init_cache(self, cfg, batch, length, dtype):

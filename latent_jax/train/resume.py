@@ -5,7 +5,8 @@ Changes to a resumed run's config fall in three kinds:
   refused       the saved state would not fit or mean the same: the model (but for model.remat,
                 model.scan_unroll, the compute dtype and the bf16 opt-in), data.tokenizer,
                 optim.name / optim.trainable, the training-only heads (nitp.enabled,
-                nitp.projector, mtp.enabled) and TST's first
+                nitp.projector, mtp.enabled), LoRA (any lora.* field: rank, targets and
+                alpha shape or scale the adapters) and TST's first
                 phase (tst.enabled, s, r, budget, superpose, positions; what phase 2 does,
                 tst.carry and tst.reinit_embeddings_at_switch, may change: one phase-1 result
                 can start several phase-2 variants);
@@ -24,7 +25,7 @@ from latent_jax import distributed, paths
 from latent_jax.checkpoint import Checkpoints, config_to_json, move_aside
 
 REFUSED = ("model.", "data.tokenizer", "optim.name", "optim.trainable", "nitp.enabled", "nitp.projector",
-           "mtp.enabled", "tst.enabled", "tst.s", "tst.r", "tst.budget", "tst.superpose", "tst.positions")
+           "mtp.enabled", "tst.enabled", "tst.s", "tst.r", "tst.budget", "tst.superpose", "tst.positions", "lora.")
 TAKEN = ("model.remat", "model.scan_unroll", "model.dtype", "model.allow_bf16_params")
 DATA = ("data.", "train.seed")
 DATA_TAKEN = ("data.max_text_gib",)  # a guard on reading text, not the data: the batches stay the same
