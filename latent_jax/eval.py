@@ -1,16 +1,32 @@
-"""python -m latent_jax.eval --workdir DIR [--step=N] [--batches=N]
+"""python -m latent_jax.eval --workdir DIR [--step=N] [--batches=N] [--tasks FILE[,FILE...]]
+   [--lm_eval_tasks T1,T2 [--include_path DIR] [--limit=N] [--num_fewshot=N] [--output FILE]]
+   [--batch_size=8] [--max_length=N]
 
-Validation loss (nats/token) and bits per byte on the held-out split of the run's data, for the
-latest (or a named) checkpoint of a workdir, or for an export folder. The split and tokenizer are
-rebuilt from the saved config exactly as in training, and by default the same batches are scored
-as the training's own validation (its train.eval_batches); --batches=0 scores the whole split.
-The JSON line says what was covered: `batches` of `split_batches`, and the scored `tokens`.
+One evaluation command, for the latest (or a named) checkpoint of a workdir or an export folder,
+BaselineLM or ConceptLM; it prints one JSON line.
+
+Validation loss (nats/token) and bits per byte on the held-out split of the run's data: the split and
+tokenizer are rebuilt from the saved config exactly as in training, and by default the same batches
+are scored as the training's own validation (its train.eval_batches); --batches=0 scores the whole
+split. The JSON line says what was covered: `batches` of `split_batches`, and the scored `tokens`.
+
+--tasks: capability proxies on local JSONL task files (latent_jax/proxies.py; python -m latent_jax.tasks
+writes the shipped sets), adding proxy/C/nll, proxy/S/nll, proxy/C/bpb and, for multiple choice,
+proxy/C/acc, proxy/C/acc_norm and proxy/C/margin: the names training logs with train.eval_tasks.
+
+--lm_eval_tasks: lm-evaluation-harness tasks (lm_eval.simple_evaluate, through the harness model
+`latent_jax`, latent_jax/harness.py), adding lm_eval/TASK/METRIC; the harness's table goes to stderr
+and --output writes its results as JSON. --include_path adds a folder of your own task YAML files.
+Needs the eval extra: pip install -e '.[eval]' (docs/interop.md).
 """
 import json
+import math
+import os
+import sys
 
 from flax import nnx
 
-from latent_jax import cli, distributed, sharding
+from latent_jax import cli, distributed, proxies, sharding
 from latent_jax.data import build_data, make_val_batches
 from latent_jax.data.pipeline import val_batch_count
 from latent_jax.nn import abstract_model
@@ -19,8 +35,10 @@ from latent_jax.train import step as steps
 from latent_jax.infer import load
 
 
-def evaluate_dir(directory, step=None, max_batches=None):
-  """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all."""
+def evaluate_dir(directory, step=None, max_batches=None, tasks=(), rows=8, max_length=None):
+  """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all.
+  tasks: proxy task files, scored `rows` at a time in rows of `max_length` tokens (data.seq_len)."""
+  examples = proxies.read_tasks(tasks, "--tasks") if tasks else None  # checked before anything loads
   def read(step):  # the checkpoint first: a training may remove it while the data is built
     saved, step = checkpoint.load_config(directory, step)
     cfg = load.inference_config(saved)  # the inference model's loss (a drafter run's: its frozen target's)
@@ -37,19 +55,110 @@ def evaluate_dir(directory, step=None, max_batches=None):
   eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh, data.tokenizer.token_bytes)
   result = steps.evaluate(eval_step, params, batches, mesh, cfg.data.batch_size)
   tokens = result.pop("val_tokens")
-  return {"step": step, **result, "batches": len(batches), "split_batches": split_batches, "tokens": tokens}
+  result = {"step": step, **result, "batches": len(batches), "split_batches": split_batches, "tokens": tokens}
+  if examples:
+    scorer = proxies.Proxies(examples, "--tasks", data.tokenizer, graphdef, param_shardings, mesh, rows,
+                             max_length or cfg.data.seq_len)
+    result.update(scorer(params))
+  return result
 
 
-FLAGS = [cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,
-         cli.Flag("batches", int, None, "validation batches to score; 0 = the whole split; default: the run's "
-                  "train.eval_batches, as its training scored", lambda n: n >= 0, ">= 0")] + cli.DISTRIBUTED
+# ----------------------------------------------------------------------------- lm-evaluation-harness
+
+
+def import_harness():
+  """latent_jax.harness, which imports lm_eval: an optional extra."""
+  try:
+    from latent_jax import harness  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ValueError(f"--lm_eval_tasks: lm-evaluation-harness is not installed ({e}); "
+                     "pip install -e '.[eval]'.") from None
+  return harness
+
+
+def lm_eval_names(tasks):
+  names = [t.strip() for t in tasks.split(",") if t.strip()]
+  if not names:
+    raise ValueError(f"--lm_eval_tasks={tasks!r} names no task; give names such as --lm_eval_tasks=arc_easy,hellaswag.")
+  return names
+
+
+def check_lm_eval(args):
+  """Everything the harness needs, checked before a model loads -> (harness, task manager, task names)."""
+  harness = import_harness()
+  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel  # installed: harness imported it
+  if args.include_path and not os.path.isdir(args.include_path):
+    raise NotADirectoryError(f"--include_path {args.include_path} is not a folder; give the folder of your task "
+                             "YAML files.")
+  if args.output:
+    cli.writable_dir(os.path.dirname(os.path.abspath(args.output)), "--output's folder")
+  names = lm_eval_names(args.lm_eval_tasks)
+  checkpoint.load_config(args.workdir, args.step)  # a workdir without checkpoints, before the harness indexes its tasks
+  task_manager = TaskManager(include_path=args.include_path)
+  for name in names:
+    if not task_manager.match_tasks([name]):
+      raise ValueError(f"--lm_eval_tasks: no task {name!r}; list them with `lm-eval ls tasks`, and give a folder of "
+                       "your own task YAML files with --include_path.")
+  return harness, task_manager, names
+
+
+def run_lm_eval(args, step, harness, task_manager, names):
+  """The harness's results as lm_eval/TASK/METRIC (METRIC,FILTER for a filter other than none); the table
+  to stderr, the whole results to --output."""
+  import lm_eval  # pylint: disable=import-outside-toplevel
+  from lm_eval.utils import make_table  # pylint: disable=import-outside-toplevel
+  model = harness.LatentJaxLM(args.workdir, step, args.batch_size, args.max_length)
+  results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=args.num_fewshot, limit=args.limit,
+                                    task_manager=task_manager, log_samples=False)
+  print(make_table(results), file=sys.stderr)
+  if args.output:
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=2, default=str)
+  flat = {}
+  for task, metrics in results["results"].items():
+    for key, value in metrics.items():
+      metric, _, kind = key.partition(",")
+      if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        flat[f"lm_eval/{task}/{metric if kind in ('', 'none') else key}"] = value
+  return flat
+
+
+FLAGS = [
+    cli.Flag("workdir", str, cli.REQUIRED, "a run's workdir or an export folder"), cli.STEP,
+    cli.Flag("batches", int, None, "validation batches to score; 0 = the whole split; default: the run's "
+             "train.eval_batches, as its training scored", lambda n: n >= 0, ">= 0"),
+    cli.Flag("tasks", str, None, "proxy task files (JSONL), comma-separated: python -m latent_jax.tasks writes the "
+             "shipped sets"),
+    cli.Flag("lm_eval_tasks", str, None, "comma-separated lm-evaluation-harness task names (or glob patterns); "
+             "the eval extra"),
+    cli.Flag("include_path", str, None, "lm-eval: a folder of task YAML files to add to the harness's own"),
+    cli.Flag("limit", int, None, "lm-eval: score only the first N examples of each task", lambda n: n >= 1, ">= 1"),
+    cli.Flag("num_fewshot", int, None, "lm-eval: few-shot examples per prompt; default: each task's own",
+             lambda n: n >= 0, ">= 0"),
+    cli.Flag("batch_size", int, 8, "proxy and lm-eval rows per batch (rounded up to a multiple of the devices)",
+             lambda n: n >= 1, ">= 1"),
+    cli.Flag("max_length", int, None, "proxy and lm-eval tokens per row; default: the run's data.seq_len",
+             lambda n: n >= 2, ">= 2"),
+    cli.Flag("output", str, None, "lm-eval: a JSON file to write the harness's results to"),
+] + cli.DISTRIBUTED
+
+
+def evaluate(args):
+  """The JSON line's object: validation, --tasks' proxies, --lm_eval_tasks' scores."""
+  tasks = proxies.task_files(args.tasks, "--tasks") if args.tasks is not None else []
+  setup = check_lm_eval(args) if args.lm_eval_tasks is not None else None
+  result = evaluate_dir(args.workdir, args.step, args.batches, tasks, args.batch_size, args.max_length)
+  if setup:
+    result.update(run_lm_eval(args, result["step"], *setup))
+  return result
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
     distributed.initialize(args)
-    result = evaluate_dir(args.workdir, args.step, args.batches)
+    result = evaluate(args)
     if distributed.is_primary():  # every host computed the same result
       print(json.dumps(result))
 

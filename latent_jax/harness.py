@@ -2,7 +2,7 @@
 ConceptLM, scored through loglikelihood, loglikelihood_rolling and generate_until.
 
 Importing this module registers the model with lm-eval 0.4.13 (the eval extra: pip install -e '.[eval]').
-`python -m latent_jax.evaluate` is the command; run as a module, this file is the harness's own CLI
+`python -m latent_jax.eval --lm_eval_tasks` is the command; run as a module, this file is the harness's own CLI
 with the model registered:
 
   python -m latent_jax.harness --model latent_jax --model_args workdir=runs/ncp --batch_size 16 --tasks arc_easy
@@ -14,7 +14,8 @@ Every batch has a fixed shape: batch_size rows (rounded up to a multiple of the 
 mesh `infer.load` places the params on, the training's layout, over which the rows are split) by a power-of-two length
 bucket up to max_length, so one compile serves every batch of a bucket.
 - loglikelihood: one forward per batch of right-padded rows; both models are causal, so the padding
-  after a row's last token changes none of its scores.
+  after a row's last token changes none of its scores. The batching and scoring are the proxies'
+  (latent_jax/proxies.py: `loglikelihoods`, `score`), which the train loop and eval also score with.
 - generate_until: every row advances one position per step through the model's KV cache (and
   ConceptLM's concept cache), fed its prompt's token while it has one and its own last token after.
   Rows of different prompt lengths share one scan; the price is prompts fed a token at a time.
@@ -35,24 +36,9 @@ from tqdm import tqdm
 from latent_jax import sharding
 from latent_jax.infer import load_model, sample_token
 from latent_jax.infer.sample import params_mesh
+from latent_jax.proxies import bucket, loglikelihoods, score
 
-MIN_BUCKET = 16
 SAMPLING = ("do_sample", "temperature", "top_k", "top_p")  # the gen_kwargs sample_token takes, with until and max_gen_toks
-
-
-def bucket(n, cap):
-  """The padded length of n tokens: the next power of two, at least MIN_BUCKET, at most cap (or n
-  itself, past cap)."""
-  return max(n, min(cap, max(MIN_BUCKET, 1 << (n - 1).bit_length())))
-
-
-def score(graphdef, params, inputs, targets, scored):
-  """Per row [B]: the summed log-probability of `targets` [B, T] where `scored`, and whether each
-  of them is the argmax."""
-  logits = nnx.merge(graphdef, params)(inputs).logits.astype(jnp.float32)
-  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
-  greedy = jnp.argmax(logits, axis=-1) == targets
-  return jnp.where(scored, logp, 0.0).sum(-1), jnp.all(greedy | ~scored, axis=-1)
 
 
 def decode(graphdef, params, tokens, lengths, key, temperature, top_k, top_p):
@@ -104,7 +90,7 @@ class LatentJaxLM(TemplateLM):
     self.rows = sharding.batch_sharding(params_mesh(self.params))
     shards = math.prod(self.rows.mesh.shape[a] for a in self.rows.spec[0])
     self.batch_size = -(-batch_size // shards) * shards
-    self._score = jax.jit(lambda *a: score(graphdef, *a))
+    self._score = jax.jit(lambda params, *a: score(nnx.merge(graphdef, params), *a))
     self._decode = jax.jit(lambda *a, **k: decode(graphdef, *a, **k), static_argnames=("temperature", "top_k", "top_p"))
 
   @property
@@ -130,21 +116,13 @@ class LatentJaxLM(TemplateLM):
   # ---------------------------------------------------------------- the harness's requests
   def _loglikelihood_tokens(self, requests, disable_tqdm=False):
     """requests: ((context, continuation) or None, context ids, continuation ids) -> (logprob, is_greedy)."""
-    wholes = [(context + continuation)[-(self.max_length + 1):] for _, context, continuation in requests]
-    results = [None] * len(requests)
-    for rows in self.batches(wholes, disable_tqdm, "loglikelihood"):
-      length = bucket(len(wholes[rows[0]]) - 1, self.max_length)
-      inputs = np.full((self.batch_size, length), self.tokenizer.pad_id, np.int32)
-      targets = np.zeros((self.batch_size, length), np.int32)
-      scored = np.zeros((self.batch_size, length), bool)
-      for r, i in enumerate(rows):
-        n, m = len(wholes[i]) - 1, min(len(requests[i][2]), len(wholes[i]) - 1)
-        inputs[r, :n], targets[r, :n], scored[r, n - m:n] = wholes[i][:-1], wholes[i][1:], True
-      logp, greedy = jax.device_get(self._score(self.params, *self.place(inputs, targets, scored)))
-      for r, i in enumerate(rows):
-        results[i] = (float(logp[r]), bool(greedy[r]))
-        if requests[i][0] is not None:
-          self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+    results = loglikelihoods([(context, continuation) for _, context, continuation in requests],
+                             lambda *rows: jax.device_get(self._score(self.params, *self.place(*rows))),
+                             self.batch_size, self.max_length, self.tokenizer.pad_id,
+                             lambda starts: tqdm(starts, desc="loglikelihood", disable=disable_tqdm))
+    for (key, _, _), result in zip(requests, results):
+      if key is not None:
+        self.cache_hook.add_partial("loglikelihood", key, result)
     return results
 
   def loglikelihood_rolling(self, requests, disable_tqdm=False):

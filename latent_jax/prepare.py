@@ -12,6 +12,9 @@ training then reads lazily: --config.data.source=DIR. Four steps:
   manifest  after every shard's checksum is read back: sources (size, sha256), tokenizer, tokens
             and documents per split, the split rule, the unigram entropy, the shards
 
+A named source (kjv, python_stdlib, arithmetic, kjv_facts, ...) is first written as DIR/.source/NAME.jsonl,
+its documents in order, which the scan reads: the store splits it as training on the name does.
+
 A killed prepare continues where it stopped when run again with the same --out (finished shards
 are kept, the rest are written whole); a finished store is never overwritten. `--verify` reads a
 finished store's checksums again. --out and the sources may be in a bucket (gs://...).
@@ -20,7 +23,9 @@ On several hosts (the multi-host flags, as for train) every process runs the sam
 process 0 prepares the store, the others wait for it (however long it takes), then check that
 they see it; an error on process 0 stops every process with its message.
 """
+import contextlib
 import heapq
+import json
 import multiprocessing
 import os
 import time
@@ -31,10 +36,12 @@ import tqdm
 
 from latent_jax import cli, distributed, paths
 from latent_jax.data import store
-from latent_jax.data.corpus import NAMED_SOURCES, cuttable, document_key, held_out, read_documents, resolve_files
+from latent_jax.data.corpus import (NAMED_SOURCES, cuttable, document_key, held_out, load_documents, read_documents,
+                                    resolve_files)
 from latent_jax.data.pipeline import count_entropy, token_stream
 from latent_jax.data.tokenizer import TOKENIZER_FILES, Tokenizer, find_tokenizer, load_or_train_tokenizer
 
+NAMED_FOLDER = ".source"  # in --out: a named source's documents, as the JSONL file its scan reads
 SPLIT_RULE = ("documents ranked by the sha256 of their UTF-8 text (ties by corpus order); the "
               "max(1, round(val_fraction * documents)) lowest are validation")
 
@@ -195,6 +202,29 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
   return plan
 
 
+@contextlib.contextmanager
+def removed_on_error(folder):
+  """Remove `folder` (when not None) if the block fails: a prepare stopped before its plan leaves no --out."""
+  try:
+    yield
+  except BaseException:
+    if folder:
+      paths.path(folder).rmtree(missing_ok=True)
+    raise
+
+
+def named_source_file(out, name):
+  """A named source (kjv, python_stdlib, ...) as OUT/.source/NAME.jsonl, one {"text": ...} line per document
+  (ASCII JSON: read back exactly), which the scan then reads as any source file; written once, so that a
+  resumed prepare reads the same file."""
+  path = os.path.join(out, NAMED_FOLDER, name + ".jsonl")
+  if not paths.path(path).exists():
+    docs = load_documents(name)
+    paths.path(os.path.dirname(path)).mkdir(parents=True, exist_ok=True)
+    paths.write_atomic(path, lambda f: f.writelines((json.dumps({"text": doc}) + "\n").encode() for doc in docs))
+  return path
+
+
 def check_resume(plan, cfg, files, out, shard_mb, sample_mb):
   now = settings(cfg, shard_mb, sample_mb)
   differ = [k for k in now if plan["settings"][k] != now[k]]
@@ -238,15 +268,18 @@ def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
   """Writes (or finishes) the token store of cfg.data at `out` -> its manifest."""
   d, out = cfg.data, paths.absolute(out)
   plan = check_out(out)
-  if d.source.strip() in NAMED_SOURCES or store.is_store(d.source):
-    raise ValueError(f"data.source={d.source!r} needs no prepare: train on it directly; prepare reads "
-                     ".txt / .jsonl / .parquet files or folders.")
-  files = resolve_files(d.source)
+  if store.is_store(d.source):
+    raise ValueError(f"data.source={d.source!r} is a token store already: train on it directly; prepare reads "
+                     ".txt / .jsonl / .parquet files or folders, or a named source.")
+  named = d.source.strip() in NAMED_SOURCES
+  fresh = named and plan is None and not paths.path(out).exists()  # removed again if the plan fails
+  files = [named_source_file(out, d.source.strip())] if named else resolve_files(d.source)
   started = time.perf_counter()
   # One pool for both passes; spawned, as a fork of a process that imported JAX is unsafe.
   with multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else _nothing() as pool:
     if plan is None:
-      plan = make_plan(cfg, out, files, pool, shard_mb, sample_mb, log)
+      with removed_on_error(out if fresh else None):
+        plan = make_plan(cfg, out, files, pool, shard_mb, sample_mb, log)
     else:
       check_resume(plan, cfg, files, out, shard_mb, sample_mb)
       log(f"resuming the prepare in {out}")

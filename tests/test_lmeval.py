@@ -1,5 +1,5 @@
-"""lm-evaluation-harness (the eval extra): the `latent_jax` harness model and python -m latent_jax.evaluate,
-offline, on three tasks this file writes (local .jsonl files through `dataset_path: json`): multiple
+"""lm-evaluation-harness (the eval extra): the `latent_jax` harness model and python -m latent_jax.eval
+--lm_eval_tasks, offline, on three tasks this file writes (local .jsonl files through `dataset_path: json`): multiple
 choice (acc), loglikelihood_rolling (word_perplexity) and generate_until (exact_match).
 
 Independent references: a trained baseline exported to Hugging Face (python -m latent_jax.convert)
@@ -163,30 +163,41 @@ def test_concept_rolling_and_generation_match_the_model(concept):
     assert text == lm.tok_decode(new).split(" s")[0], prompt
 
 
-def test_evaluate_command_on_three_tasks(concept, tasks_dir, tmp_path, capsys):
-  """python -m latent_jax.evaluate on a ConceptLM run: the three tasks' metrics, printed and written."""
-  from latent_jax.evaluate import main
-  main(["--workdir", concept, "--tasks", "tiny_mc,tiny_rolling,tiny_gen", "--include_path", tasks_dir,
-        "--limit", "4", "--batch_size", "2", "--output", str(tmp_path / "out" / "results.json")])
+def test_eval_command_on_three_tasks(concept, tasks_dir, tmp_path, capsys):
+  """python -m latent_jax.eval --lm_eval_tasks on a ConceptLM run: the three tasks' metrics in its one JSON line
+  (beside the validation loss and a proxy task file's scores), the harness's table on stderr, its results
+  written."""
+  from latent_jax.eval import main
+  proxy = tmp_path / "proxy.jsonl"
+  proxy.write_text("".join(json.dumps({"prompt": r["question"], "choices": r["choices"], "gold": r["label"],
+                                       "source": "tiny", "capability": "words"}) + "\n" for r in MC))
+  capsys.readouterr()
+  main(["--workdir", concept, "--lm_eval_tasks", "tiny_mc,tiny_rolling,tiny_gen", "--include_path", tasks_dir,
+        "--limit", "4", "--batch_size", "2", "--output", str(tmp_path / "out" / "results.json"), "--tasks", str(proxy)])
+  out, err = capsys.readouterr()
+  line = json.loads(out.strip().splitlines()[-1])
   results = json.loads((tmp_path / "out" / "results.json").read_text())["results"]
   assert 0 <= results["tiny_mc"]["acc,none"] <= 1 and results["tiny_rolling"]["word_perplexity,none"] > 1
   assert results["tiny_gen"]["exact_match,none"] in (0, 0.25, 0.5, 0.75, 1)
-  assert "tiny_rolling" in capsys.readouterr().out
+  assert line["lm_eval/tiny_mc/acc"] == results["tiny_mc"]["acc,none"]
+  assert line["lm_eval/tiny_rolling/word_perplexity"] == results["tiny_rolling"]["word_perplexity,none"]
+  assert line["val_loss"] > 0 and 0 <= line["proxy/words/acc"] <= 1 and "proxy/words/margin" in line
+  assert "tiny_rolling" in err
 
 
 @pytest.mark.parametrize("argv,names", [
-    (["--tasks", "no_such_task"], ["--tasks", "no_such_task", "--include_path"]),
-    (["--tasks", "tiny_mc", "--include_path", "{tmp}/nope"], ["--include_path", "nope", "not a folder"]),
-    (["--tasks", ","], ["--tasks", "names no task"]),
+    (["--lm_eval_tasks", "no_such_task"], ["--lm_eval_tasks", "no_such_task", "--include_path"]),
+    (["--lm_eval_tasks", "tiny_mc", "--include_path", "{tmp}/nope"], ["--include_path", "nope", "not a folder"]),
+    (["--lm_eval_tasks", ","], ["--lm_eval_tasks", "names no task"]),
 ])
-def test_evaluate_refuses_bad_input(argv, names, concept, tasks_dir, tmp_path, capsys):
+def test_eval_refuses_bad_lm_eval_input(argv, names, concept, tasks_dir, tmp_path, capsys):
   from test_cli_errors import check_one_error_line, run_main
-  code, err = run_main("latent_jax.evaluate", ["--workdir", concept] + [a.format(tmp=tmp_path) for a in argv], capsys)
+  code, err = run_main("latent_jax.eval", ["--workdir", concept] + [a.format(tmp=tmp_path) for a in argv], capsys)
   check_one_error_line(code, err, [n.format(tmp=tmp_path) for n in names])
 
 
-def test_evaluate_refuses_a_workdir_without_checkpoints(tasks_dir, tmp_path, capsys):
+def test_eval_refuses_a_workdir_without_checkpoints(tasks_dir, tmp_path, capsys):
   from test_cli_errors import check_one_error_line, run_main
-  code, err = run_main("latent_jax.evaluate", ["--workdir", str(tmp_path), "--tasks", "tiny_mc", "--include_path",
-                                               tasks_dir], capsys)
+  code, err = run_main("latent_jax.eval", ["--workdir", str(tmp_path), "--lm_eval_tasks", "tiny_mc", "--include_path",
+                                           tasks_dir], capsys)
   check_one_error_line(code, err, ["--workdir", "no checkpoints"])

