@@ -55,12 +55,16 @@ def get_config():
   c.train.microbatches = 1             # split each batch's rows into this many, one gradient update
   c.train.z_loss = 0.0                 # weight of lse^2
   c.train.log_every = 25
+  c.train.monitors = True              # log per-layer attention logit and q/k norm maxima, per-group grad/update norms (docs/performance.md)
   c.train.eval_every = 200
   c.train.eval_batches = 16            # 0 = the whole validation split
+  c.train.eval_tasks = ()              # proxy task files (JSONL) or folders of them, scored at each eval as proxy/... (docs/data.md)
   c.train.checkpoint_every = 200
   c.train.keep_checkpoints = 2
   c.train.peak_flops = 0.0             # per device; 0 = known for the device kind, or measured on CPU
   c.train.init_from = ""               # a workdir or export whose params start a fresh run (fine-tuning, VQ adaptation)
+  c.train.wandb_project = ""           # also log to this Weights & Biases project (pip install -e ".[wandb]"); "" = off
+  c.train.profile_steps = (0, 0)       # (START, COUNT): a jax.profiler trace of COUNT steps after step START; COUNT 0 = off
 
   c.optim = ml_collections.ConfigDict()
   c.optim.name = "adamw"               # adamw | muon
@@ -74,6 +78,8 @@ def get_config():
   c.optim.eps = 1e-8
   c.optim.weight_decay = 0.1
   c.optim.clip_norm = 1.0
+  c.optim.skip_factor = 0.0            # spike guard: skip a step whose grad norm > this x the running median; 0 = off
+  c.optim.skip_window = 100            # the running median's window, in applied steps
   c.optim.trainable = "all"            # all | vq (codebook + concept heads) | a regex over parameter paths
 
   c.mesh = ml_collections.ConfigDict()
@@ -100,4 +106,14 @@ def get_config():
   c.mtp = ml_collections.ConfigDict()
   c.mtp.enabled = False                # DeepSeek-V3 multi-token prediction, depth 1: + weight * CE(x_{t+2})
   c.mtp.weight = 0.3
+
+  # LoRA (docs/lora.md): low-rank adapters beside the weights of a trained model (train.init_from),
+  # which alone train; export merges them (W + alpha / rank * A @ B) into a plain model.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.enabled = False
+  # An int, or "auto": the rank whose trainable count is nearest VQ adaptation's (optim.trainable=vq;
+  # ConceptLM only). A FieldReference of type object, so that --config.lora.rank takes either.
+  c.lora.rank = ml_collections.FieldReference(8, field_type=object)
+  c.lora.alpha = 16.0                  # the adapter's scale is alpha / rank
+  c.lora.targets = r".*(attn/(q|k|v|o)|mlp/(gate|up|down))"  # a regex over whole parameter paths, as optim.trainable
   return c

@@ -33,10 +33,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from latent_jax.config import config_from_json
+from latent_jax.config import config_from_json, lora_enabled
 from latent_jax import distributed, paths, sharding
 from latent_jax.data.tokenizer import Tokenizer, find_tokenizer
 from latent_jax.nn import abstract_model
+from latent_jax.nn.lora import apply_lora, lora_merge, without_factors
 
 LIST_ATTEMPTS = 5
 TOKENIZER = "tokenizer"  # the item holding the tokenizer file, and its key in meta
@@ -261,8 +262,11 @@ def find_checkpoint(directory, step=None):
               if paths.path(os.path.join(directory, sub)).is_dir()]
   found = [(s, m) for m in managers for s in m.manager.all_steps() if step is None or s == step]
   if not found:
-    what = f"no checkpoint at step {step}" if step else "no checkpoints"
-    raise FileNotFoundError(f"--workdir {directory!r} has {what} and is not an export folder; "
+    saved = sorted(s for m in managers for s in m.manager.all_steps())
+    if saved:  # a step that is not there: name those that are
+      raise FileNotFoundError(f"--workdir {directory!r} has no checkpoint at step {step}; its checkpoints are at steps "
+                              f"{', '.join(map(str, saved))}: pass one of them to --step, or leave --step out for the newest.")
+    raise FileNotFoundError(f"--workdir {directory!r} has no checkpoints and is not an export folder; "
                             f"train first (python -m latent_jax.train ... --workdir {directory}).")
   step, manager = max(found, key=lambda x: x[0])
   return manager, step
@@ -315,7 +319,7 @@ def placement(cfg, mesh=None):
 def saved_params(directory, cfg, step=None, shardings=None):
   """Every parameter the checkpoint (or export) holds, training-only heads included, placed by
   `shardings` ({"a/b/c": sharding}) where given, else as `placement(cfg)`: whatever mesh and
-  number of processes saved them."""
+  number of processes saved them. A LoRA run's adapters come merged into their weights (`merge_lora`)."""
   _, saved = abstract_model(cfg)
   shardings = {**placement(cfg), **(shardings or {})}
   target = jax.tree_util.tree_map_with_path(
@@ -326,8 +330,18 @@ def saved_params(directory, cfg, step=None, shardings=None):
   else:
     manager, step = find_checkpoint(directory, step)
     read = lambda: manager.restore_params(step, target)
-  return distributed.on_all("load params", read, "those hosts read a damaged part of them, or see the shared file "
-                            "system differently (a stale or missing mount); check them.")
+  params = distributed.on_all("load params", read, "those hosts read a damaged part of them, or see the shared "
+                              "file system differently (a stale or missing mount); check them.")
+  return merge_lora(params, cfg)
+
+
+def merge_lora(params, cfg):
+  """The params of a LoRA run (lora.enabled) as a plain model's: each adapted weight W + alpha / r * A @ B on
+  W's sharding, the factors dropped (nn/lora.py); other runs' as they are."""
+  if not lora_enabled(cfg):
+    return params
+  merge = lambda w, a, b, scale: jax.jit(lora_merge, out_shardings=w.sharding)(w, a, b, scale)
+  return without_factors(apply_lora(params, cfg.lora.alpha, merge))
 
 
 def check_init_from(directory, cfg, params, step=None):
@@ -339,7 +353,7 @@ def check_init_from(directory, cfg, params, step=None):
     raise FileNotFoundError(f"train.init_from: {directory!r} is neither a training workdir with checkpoints nor "
                             "an export folder; give a run's --workdir or a `python -m latent_jax.export` folder.")
   source_cfg, step = load_config(directory, step)
-  source = by_path(nnx.to_pure_dict(abstract_model(source_cfg)[1]))
+  source = by_path(without_factors(nnx.to_pure_dict(abstract_model(source_cfg)[1])))  # a LoRA source's: merged
   inference = by_path(nnx.to_pure_dict(abstract_model(cfg.model)[1]))
   for name, x in by_path(params).items():
     if name not in source and name in inference:

@@ -120,6 +120,16 @@ def validate(cfg):
     check(section in cfg, section, "missing section; start from configs/tiny.py.")
   m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
   check_choice(m.name, "model.name", ("baseline", "concept"))
+  check(o.get("skip_factor", 0) == 0 or o.skip_factor > 1, "optim.skip_factor",
+        f"must be 0 (off) or > 1 (a step is skipped when its gradient norm exceeds this many times the running "
+        f"median), got {o.get('skip_factor')!r}.")
+  check(o.get("skip_factor", 0) == 0 or (isinstance(o.skip_window, int) and o.skip_window >= 1), "optim.skip_window",
+        f"must be a positive integer, got {o.get('skip_window')!r}.")
+  profile = t.get("profile_steps", (0, 0))
+  check(isinstance(profile, (tuple, list)) and len(profile) == 2 and all(isinstance(x, int) and x >= 0 for x in profile),
+        "train.profile_steps", f"must be (START, COUNT), two integers >= 0 (COUNT 0 = off), got {profile!r}.")
+  check(not t.get("wandb_project") or importlib.util.find_spec("wandb") is not None, "train.wandb_project",
+        f"{t.wandb_project!r} needs the wandb package: pip install -e '.[wandb]', or set train.wandb_project=''.")
   for f in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
     check(isinstance(m[f], int) and m[f] > 0, f"model.{f}", f"must be a positive integer, got {m[f]!r}.")
   check(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads",
@@ -158,6 +168,10 @@ def validate(cfg):
   for f in ("log_every", "checkpoint_every", "keep_checkpoints"):
     check(t[f] >= 1, f"train.{f}", f"must be >= 1, got {t[f]}.")
   check(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every/eval_batches", "must be >= 0 (0 = off / all).")
+  tasks = t.get("eval_tasks", ())
+  check(isinstance(tasks, (tuple, list)) and all(isinstance(f, str) for f in tasks), "train.eval_tasks",
+        f"must be a tuple of task files or folders of them (repeat the flag: --config.train.eval_tasks=a.jsonl "
+        f"--config.train.eval_tasks=b.jsonl); got {tasks!r}.")
   check(t.z_loss >= 0, "train.z_loss", "must be >= 0.")
   check(t.peak_flops >= 0, "train.peak_flops", "must be >= 0 (0 = known or measured).")
 
@@ -172,7 +186,10 @@ def validate(cfg):
   trainable = o.get("trainable", "all")
   check(isinstance(trainable, str) and trainable.strip() != "", "optim.trainable",
         "is empty; use 'all', 'vq' or a regex over parameter paths such as 'codebook|heads'.")
-  if trainable == "vq":
+  if trainable == "lora":
+    check(lora_enabled(cfg), "optim.trainable", "'lora' trains the LoRA factors, which this run has not; set "
+          "lora.enabled=True (docs/lora.md) or use 'all'.")
+  elif trainable == "vq":
     check(m.name == "concept", "optim.trainable",
           f"'vq' trains the codebook and concept heads, which model.name={m.name!r} does not have; use 'all'.")
   elif trainable != "all":
@@ -209,6 +226,7 @@ def validate(cfg):
     validate_ncp(cfg)
   validate_tst(cfg)
   validate_aux(cfg)
+  validate_lora(cfg)
   if "drafter" in cfg:
     validate_drafter(cfg)
   return cfg
@@ -320,6 +338,43 @@ def validate_rope_scaling(m):
         f"{m.yarn_beta_slow}; YaRN's are 32 and 1.")
   check(m.yarn_attention_factor >= 0, "model.yarn_attention_factor",
         f"must be >= 0 (0 = 0.1 ln(yarn_factor) + 1), got {m.yarn_attention_factor}.")
+
+
+def lora_enabled(cfg):
+  """Whether the (whole) config adapts its model with LoRA (an optional `lora` section, docs/lora.md)."""
+  return "lora" in cfg and bool(cfg.lora.enabled)
+
+
+def trainable_setting(cfg):
+  """optim.trainable as it applies: with lora.enabled, "all" means the LoRA factors alone ("lora")."""
+  trainable = cfg.optim.get("trainable", "all")
+  return "lora" if trainable == "all" and lora_enabled(cfg) else trainable
+
+
+def validate_lora(cfg):
+  """The `lora` section (docs/lora.md); checked only when enabled. lora.targets is matched against the
+  model's parameter paths when it is built (nn/lora.py), before anything compiles."""
+  if not lora_enabled(cfg):
+    return
+  lo = cfg.lora
+  for f in ("rank", "alpha", "targets"):
+    check(f in lo, f"lora.{f}", "missing; start from configs/tiny.py.")
+  check(bool(cfg.train.get("init_from")), "lora.enabled", "LoRA adapts a trained model: set train.init_from=... "
+        "(a trained run's workdir or an export folder).")
+  rank, alpha = lo.rank, lo.alpha
+  check(rank == "auto" or (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1), "lora.rank",
+        f"must be a positive integer or 'auto', got {rank!r}.")
+  check(rank != "auto" or cfg.model.name == "concept", "lora.rank",
+        "'auto' is the rank whose trainable count matches VQ adaptation's (optim.trainable=vq), which "
+        f"model.name={cfg.model.name!r} does not have (no codebook); give an integer rank, e.g. lora.rank=8.")
+  check(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 < alpha < float("inf"), "lora.alpha",
+        f"must be a number > 0 (the adapters' scale is alpha / rank), got {alpha!r}.")
+  check(isinstance(lo.targets, str) and lo.targets.strip() != "", "lora.targets",
+        "is empty; give a regex over parameter paths, e.g. '.*attn/(q|v)'.")
+  try:
+    re.compile(lo.targets)
+  except re.error as e:
+    raise ConfigError(f"lora.targets: {lo.targets!r} is not a valid regex ({e}).") from None
 
 
 NCP_FIELDS = ("encoder_layers", "concept_layers", "decoder_layers", "chunk_size", "num_segments", "codebook_size",

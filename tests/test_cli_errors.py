@@ -206,7 +206,8 @@ def test_non_finite_loss_is_one_line(monkeypatch, capsys):
 
 @pytest.mark.parametrize("module,argv,names", [
     ("latent_jax.eval", ["--workdir", "{tmp}/nope"], ["--workdir", "nope", "no checkpoints"]),
-    ("latent_jax.generate", ["--workdir", "{run}", "--step=99"], ["--workdir", "no checkpoint at step 99"]),
+    ("latent_jax.generate", ["--workdir", "{run}", "--step=99"], ["--workdir", "no checkpoint at step 99",
+                                                                 "checkpoints are at steps"]),
     ("latent_jax.generate", ["--workdir", "{run}", "--top_k=1000"], ["--top_k=1000", "320"]),
     ("latent_jax.export", ["--workdir", "{run}", "--out", "{bad}/a_file/export"], ["--out", "a_file", "is a file"]),
     ("latent_jax.draft", ["--config", f"{ROOT}/configs/tiny_drafter.py", "--workdir", "{bad}/a_file",

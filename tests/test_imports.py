@@ -17,15 +17,16 @@ LAYERS = {
     "latent_jax.nn": "nn",
     "latent_jax": "nn",  # the package itself: its __init__ exports build_model
     "latent_jax.objectives": "objectives",
+    "latent_jax.proxies": "objectives",  # the capability proxies' scoring: the train loop and eval call it
     "latent_jax.checkpoint": "checkpoint",
     "latent_jax.train": "train",
     "latent_jax.infer": "infer",
     "latent_jax.interop": "interop",
     "latent_jax.train.__main__": "commands", "latent_jax.eval": "commands", "latent_jax.generate": "commands",
     "latent_jax.export": "commands", "latent_jax.plan": "commands", "latent_jax.prepare": "commands",
-    "latent_jax.draft": "commands", "latent_jax.convert": "commands", "latent_jax.evaluate": "commands",
-    "latent_jax.harness": "commands",
-    "latent_jax.ladder": "commands",  # lm-eval's model, loaded by the evaluate command only
+    "latent_jax.draft": "commands", "latent_jax.convert": "commands", "latent_jax.tasks": "commands",
+    "latent_jax.harness": "commands",  # lm-eval's model, loaded by eval --lm_eval_tasks only
+    "latent_jax.ladder": "commands",
 }
 
 

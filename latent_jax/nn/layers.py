@@ -10,6 +10,7 @@ from flax import nnx
 
 from latent_jax.sharding import constrain
 from latent_jax.ops import attention as A
+from latent_jax.ops import monitors as M
 from latent_jax.ops import transformer as T
 
 EMPTY_SLOT = 2**30  # the position of a cache slot not written yet
@@ -60,7 +61,8 @@ class Attention(nnx.Module):
   `attention_impl` (latent_jax.ops.attention.IMPLS) picks the kernel of the uncached path;
   `build_model` sets it from `kernels.attention`. Decoding with a cache uses the dense one.
   `windows`: the static window sizes the traced `window` takes (set by the stacks; the splash
-  kernel needs them).
+  kernel needs them). `monitor` (set by the monitors' probe, train/monitors.py): record per-head
+  statistics of the q and k that enter q k^T in `self.qk_stats` (an nnx.Intermediate).
   """
 
   def __init__(self, cfg, rngs):
@@ -81,6 +83,7 @@ class Attention(nnx.Module):
     self.dtype = jnp.dtype(cfg.dtype)
     self.attention_impl = "auto"
     self.windows = (T.NO_WINDOW,)
+    self.monitor = False
 
   def __call__(self, x, positions, segment_ids, window, cache=None, cache_index=None):
     h, k, hd = self.shape
@@ -95,6 +98,8 @@ class Attention(nnx.Module):
       q, key = self.q_norm(q), self.k_norm(key)
     frequencies, scale = self.rotary(window)
     q, key = T.rope(q, positions, frequencies, scale), T.rope(key, positions, frequencies, scale)
+    if self.monitor and cache is None:
+      self.qk_stats = nnx.Intermediate(M.qk_stats(q, key, positions, positions, segment_ids, segment_ids, window))
     if cache is None:
       out = A.attention(q, key, val, segment_ids, positions, window, self.attention_impl, windows=self.windows)
     else:  # decoding one document: write slots cache_index.., each with the position of its key
@@ -163,6 +168,17 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), cache
 
 
+def qk_stats(block):
+  """The per-head statistics a block's attention recorded in this call (`Attention.monitor`), or None."""
+  return block.attn.qk_stats.get_value() if block.attn.monitor else None
+
+
+def keep_qk_stats(stack, stats):
+  """Keep a stack's stacked per-layer qk_stats ({name: [L, heads]}) on it for the probe to pop; None: nothing."""
+  if stats is not None:
+    stack.qk_stats = nnx.Intermediate(stats)
+
+
 def stacked_blocks(cfg, num_layers, rngs):
   """`num_layers` Blocks whose parameters are stacked on a leading layer axis, for `jax.lax.scan`."""
   @nnx.split_rngs(splits=num_layers)
@@ -195,20 +211,23 @@ class BlockStack(nnx.Module):
 
     def body(x, layer):
       params, window, layer_cache = layer
-      x, layer_cache = nnx.merge(graphdef, params)(constrain(x, TOKENS), positions, segment_ids, window,
-                                                   layer_cache, cache_index)
-      return constrain(x, TOKENS), layer_cache
+      block = nnx.merge(graphdef, params)
+      x, layer_cache = block(constrain(x, TOKENS), positions, segment_ids, window, layer_cache, cache_index)
+      return constrain(x, TOKENS), (layer_cache, qk_stats(block))
 
     body = remat(body, self.remat)
     layers = (state, T.layer_windows(*self.windows), cache)
     scan = lambda x, layers: jax.lax.scan(body, x, layers, unroll=self.unroll)
     if not tap:
-      x, cache = scan(x, layers)
+      x, (cache, stats) = scan(x, layers)
+      keep_qk_stats(self, stats)
       return x, cache, None
     # Layers [0, tap) then [tap, L): the tapped state without storing every layer's output.
-    tapped, head_cache = scan(x, jax.tree.map(lambda a: a[:tap], layers))
-    x, tail_cache = scan(tapped, jax.tree.map(lambda a: a[tap:], layers))
-    return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head_cache, tail_cache), tapped
+    tapped, head = scan(x, jax.tree.map(lambda a: a[:tap], layers))
+    x, tail = scan(tapped, jax.tree.map(lambda a: a[tap:], layers))
+    cache, stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
+    keep_qk_stats(self, stats)
+    return x, cache, tapped
 
   def init_cache(self, cfg, batch, length, dtype):
     return kv_cache(cfg, self.num_layers, batch, length, dtype)

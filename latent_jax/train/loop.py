@@ -8,18 +8,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tqdm
 from flax import nnx
 
-from latent_jax.config import ConfigError, is_ladder, validate
+from latent_jax.config import ConfigError, is_ladder, trainable_setting, validate
 from latent_jax import distributed, sharding
 from latent_jax.cli import writable_dir
 from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, save_tokenizer
 from latent_jax.nn import abstract_model, axes_tree
-from latent_jax import checkpoint
+from latent_jax.nn.lora import adapt
+from latent_jax import checkpoint, proxies
 from latent_jax.train import flops, phases, resume
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter, read_metrics
+from latent_jax.train.monitors import make_probe
+from latent_jax.train.profile import StepProfiler
+from latent_jax.train.progress import Progress
 from latent_jax.train.optim import build_optimizer, trainable_mask
 from latent_jax.train.workdir import WorkdirBusy, WorkdirLock, remove_if_empty, workdir_created
 
@@ -83,12 +86,14 @@ def run(cfg, workdir, allow_data_change, started):
   # Model and state shardings (every phase's optimiser state has the same structure).
   graphdef, abstract_params = abstract_model(cfg)  # with the training-only heads (NITP, MTP, a drafter)
   axes = axes_tree(abstract_params)
-  trains = trainable_mask(axes, cfg.optim.get("trainable", "all"))
+  trains = trainable_mask(axes, trainable_setting(cfg))  # with lora.enabled: the LoRA factors
   if len(plan) > 1 and cfg.tst.reinit_embeddings_at_switch:
-    check_trains_embeddings(trains, cfg.optim.get("trainable", "all"))
-  tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes)
+    check_trains_embeddings(trains, trainable_setting(cfg))
+  tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes, trainable_setting(cfg))
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   abstract_state = steps.abstract_state(cfg, tx, shardings)
+  # train.eval_tasks: the capability proxies' task files, read and checked here, scored at each evaluation.
+  proxy_eval = proxies.for_run(cfg, data.tokenizer, graphdef, shardings["params"], mesh, lambda p: adapt(p, cfg))
   # The first write (process 0's): bad input stops the run above, leaving nothing.
   distributed.on_primary("tokenizer", lambda: save_tokenizer(data, workdir), OSError)
 
@@ -124,7 +129,7 @@ def run(cfg, workdir, allow_data_change, started):
   is_finite = jax.jit(lambda tree: jnp.all(jnp.asarray([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)])))
   peak, peak_source = flops.peak_flops(cfg.train.peak_flops)
   peak = float(distributed.from_primary(peak)) * jax.device_count()  # one figure: the hosts' own may differ
-  writer = MetricsWriter(workdir, step)
+  writer = MetricsWriter(workdir, step, cfg)
   flags = jax.tree.leaves(trains)
   trainable = "" if all(flags) else f" ({sum(int(np.prod(x.shape)) for x, t in zip(jax.tree.leaves(abstract_params), flags) if t) / 1e6:.3f}M trainable)"
   say(f"{param_count(abstract_params) / 1e6:.2f}M params{trainable}, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
@@ -133,12 +138,16 @@ def run(cfg, workdir, allow_data_change, started):
 
   stop = distributed.StopRequests()
   metrics, stopped, saver, bar = {}, False, ckpt, None
+  profiler = StepProfiler(workdir, cfg.train.get("profile_steps"), log=say)
+  # train.monitors: per-layer attention logits and q/k norms, from a probe of a few rows at log steps.
+  probe = make_probe(graphdef, cfg, shardings, mesh, compile_for=(abstract_state["params"], steps.batch_shapes(
+      cfg.data.batch_size, cfg.data.seq_len, mesh))) if cfg.train.get("monitors") else None
   try:
     for phase in plan:
       if step >= phase.end:
         continue
       say(phase.describe(cfg.data.batch_size))
-      tx, schedule = build_optimizer(cfg.optim, phase.schedule_steps, axes)
+      tx, schedule = build_optimizer(cfg.optim, phase.schedule_steps, axes, trainable_setting(cfg))
       if step == phase.start:  # a fresh run, or TST's switch
         train_iter = open_iterator(phase, step)
         state = enter_phase(phase, cfg, tx, shardings, abstract_state, phase1)
@@ -147,12 +156,17 @@ def run(cfg, workdir, allow_data_change, started):
       train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(
           abstract_state, steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)).compile()
       say(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s")
-      bar = tqdm.tqdm(total=phase.end, initial=step, dynamic_ncols=True, disable=jax.process_index() != 0)
-      last_time, last_step = time.perf_counter(), step
+      bar = Progress(step, phase.end)  # a bar on a terminal, a plain line per log step otherwise
+      last_time, last_step, first = time.perf_counter(), step, step + 1
       while step < phase.end:
         batch = sharding.global_batch(next(train_iter), mesh, cfg.data.batch_size)
-        state, step_metrics = train_step(state, batch)
+        with profiler.before(step + 1):  # train.profile_steps
+          state, step_metrics = train_step(state, batch)
         step += 1
+        profiler.after(step, state)
+        if step == first:  # dispatched steps return at once: the bar's rate starts when the first has run
+          jax.block_until_ready(step_metrics)
+          bar.started(step)
         is_last = step == phase.end
         stopping = stop.after(step)  # read once: a signal may land at any point of this iteration
         eval_now = cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or is_last)
@@ -174,14 +188,17 @@ def run(cfg, workdir, allow_data_change, started):
                          flops=phase.flops_at(step), mfu=phase.flops_per_step * steps_per_s / peak)
           if phase.number is not None:
             metrics["phase"] = phase.number
+          if probe and phase.seq_len == phase.positions:  # not over TST's bags: plain rows only
+            metrics.update(probe(state["params"], batch))
           if eval_now:
             val = steps.evaluate(eval_step, state["params"], val_batches, mesh, cfg.data.batch_size)
             metrics.update(val_loss=val["val_loss"], val_bpb=val["val_bpb"])
+            if proxy_eval:
+              metrics.update(proxy_eval(state["params"]))  # proxy/...: latent_jax/proxies.py
             last_time = time.perf_counter()  # keep evaluation out of the throughput
           writer.write(step, metrics, upload=eval_now)
-          bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:,.0f}",
-                          mfu=f"{100 * metrics['mfu']:.2g}%")  # two digits: a tiny model on a GPU is at 0.05%
-        bar.update(1)
+          bar.logged(step, metrics)
+        bar.advance()
         # The phase-1 result goes to WORKDIR/phase1, synchronously: phase 2 starts by restoring it.
         switch = is_last and phase.number == 1
         saver = phase1 if switch else ckpt

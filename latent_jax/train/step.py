@@ -12,10 +12,13 @@ import optax
 from flax import nnx
 
 from latent_jax import sharding
+from latent_jax.config import trainable_setting
 from latent_jax.data import FEATURES
 from latent_jax.nn import build_model
+from latent_jax.nn.lora import adapt
 from latent_jax import objectives
-from latent_jax.train.optim import trainable_mask
+from latent_jax.ops.monitors import monitor_metrics
+from latent_jax.train.optim import trainable_mask, skipped_steps
 
 
 def state_shardings(abstract_params, tx, mesh):
@@ -63,7 +66,7 @@ def batch_shapes(batch_size, seq_len, mesh):
 def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_objective):
   """The jitted step: gradients of `objective` summed over cfg.train.microbatches splits of the batch's
   rows (one after another, so activations take the memory of one), then one optimiser update."""
-  trains = trainable_mask(shardings["params"], cfg.optim.get("trainable", "all"))
+  trains = trainable_mask(shardings["params"], trainable_setting(cfg))
   k = cfg.train.microbatches
 
   def train_step(state, batch):
@@ -71,7 +74,7 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
       # Parameters outside optim.trainable are constants here, so XLA computes no weight
       # gradients for them (activation gradients still flow through them).
       params = jax.tree.map(lambda p, train: p if train else jax.lax.stop_gradient(p), params, trains)
-      return objective(nnx.merge(graphdef, params), microbatch, cfg, counts)
+      return objective(nnx.merge(graphdef, adapt(params, cfg)), microbatch, cfg, counts)  # LoRA: W + A B
 
     def accumulate(summed, microbatch):
       (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], microbatch, counts)
@@ -91,6 +94,10 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
     params = optax.apply_updates(state["params"], updates)
     metrics = objectives.step_metrics(metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
+    if cfg.train.get("monitors", False):  # train.monitors: grad_norm/{group}, update_norm/{group}
+      metrics.update(monitor_metrics(grads, updates))
+    if skipped_steps(opt_state) is not None:  # optim.skip_factor: steps the spike guard did not apply
+      metrics["skipped_steps"] = skipped_steps(opt_state)
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
   return jax.jit(train_step, in_shardings=(shardings, sharding.batch_sharding(mesh)),
@@ -112,7 +119,7 @@ def make_eval_step(graphdef, cfg, param_shardings, mesh, token_bytes):
 
   def eval_step(params, batch):
     with sharding.use_mesh(mesh):
-      nll, labels = objectives.eval_sums(nnx.merge(graphdef, params), batch, cfg)
+      nll, labels = objectives.eval_sums(nnx.merge(graphdef, adapt(params, cfg)), batch, cfg)
     scored = jnp.where(labels >= 0, jnp.asarray(table)[jnp.maximum(labels, 0)], 0)
     return nll, jnp.sum(labels >= 0), jnp.sum(scored)
   return jax.jit(eval_step, in_shardings=(param_shardings, sharding.batch_sharding(mesh)),

@@ -1,0 +1,162 @@
+"""What train.monitors costs: the train step's throughput with the monitors on against off, in one process.
+
+  python benchmarks/monitors.py [--configs=tiny.py,tiny_ncp.py] [--reps=8] [--steps=20] [--log_every=10]
+
+For each config, three variants of the real jitted train step on one random batch, each with its own
+train state, run as the train loop runs them: `steps` steps, and at every `log_every`-th step the
+metrics fetched (and, with the probe, the probe run on the batch):
+
+  off     train.monitors=False
+  norms   the step's grad_norm/{group} and update_norm/{group} only (every step), no probe
+  on      train.monitors=True: those and the probe (latent_jax/train/monitors.py) at log steps
+
+`reps` rounds, the variants' order rotated every round, so load from other jobs falls on all; a
+round's ratio compares its own runs. Reports wall and process CPU seconds per step, per round
+and the median ratio, and the ratio of the variants' fastest rounds. On a shared machine the
+wall ratios move by more than the 2% they measure, so the parts are also timed on their own
+(the fastest of many calls): the probe, and the group norms as a jitted function of the
+step's gradient and update trees, against the fastest step; `estimate` = (norms + probe /
+log_every) / step. With the CPU model, versions and date (docs/performance.md, "Monitors").
+"""
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+from latent_jax import cli, load_config, objectives, sharding
+from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.ops.monitors import monitor_metrics
+from latent_jax.train import monitors
+from latent_jax.train import step as steps
+from latent_jax.train.optim import build_optimizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = [cli.Flag("configs", str, "tiny.py,tiny_ncp.py", "configs/ files, a comma list"),
+         cli.Flag("reps", int, 8, "rounds (each runs every variant once)", lambda n: n >= 1, ">= 1"),
+         cli.Flag("steps", int, 20, "steps per run", lambda n: n >= 1, ">= 1"),
+         cli.Flag("log_every", int, 10, "train.log_every", lambda n: n >= 1, ">= 1")]
+VARIANTS = ("off", "norms", "on")
+
+
+def build(cfg, monitored, probed):
+  """A variant: (compiled step, its fresh train state, the probe or None), and the random batch."""
+  cfg = cfg.copy_and_resolve_references()
+  cfg.train.monitors = monitored
+  mesh = sharding.make_mesh(cfg.mesh)
+  graphdef, abstract = abstract_model(cfg)
+  tx, _ = build_optimizer(cfg.optim, cfg.train.steps, axes_tree(abstract))
+  shardings = steps.state_shardings(abstract, tx, mesh)
+  state = steps.init_state(cfg, 0, tx, shardings)
+  b, t, v = cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+  tokens = np.random.default_rng(0).integers(0, v, size=(b, t + 1)).astype(np.int32)
+  batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                                 "segment_ids": np.ones((b, t), np.int32),
+                                 "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1))}, mesh)
+  step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, objectives.objective_for(cfg))
+  compiled = step.lower(state, batch).compile()
+  probe = monitors.make_probe(graphdef, cfg, shardings, mesh) if probed else None
+  return [compiled, state, probe], batch
+
+
+def fastest(f, calls):
+  """The fastest of `calls` timed calls of f (after one untimed), in seconds."""
+  jax.block_until_ready(f())
+  times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(f())
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def parts(built, batch, log_every, calls=20):
+  """Each part timed on its own, the fastest of `calls`: a step of `off`, the probe, and the group norms of
+  two param-shaped trees (a jitted function of its own: an upper bound of their cost inside the step)."""
+  variant = built["off"]
+  step_times = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    variant[1], m = variant[0](variant[1], batch)
+    jax.block_until_ready((variant[1], m))
+    step_times.append(time.perf_counter() - start)
+  params, probe, norms = built["on"][1]["params"], built["on"][2], jax.jit(monitor_metrics)
+  out = {"step_s": min(step_times), "probe_s": fastest(lambda: probe(params, batch), calls),
+         "norms_s": fastest(lambda: norms(params, params), calls)}
+  out["estimate"] = (out["norms_s"] + out["probe_s"] / log_every) / out["step_s"]
+  return {k: round(v, 5) for k, v in out.items()}
+
+
+def run(variant, batch, n_steps, log_every):
+  """n_steps steps as the loop runs them -> (wall seconds, CPU seconds, names logged); updates variant's state."""
+  compiled, state, probe = variant
+  names = set()
+  wall, cpu = time.perf_counter(), time.process_time()
+  for i in range(1, n_steps + 1):
+    state, m = compiled(state, batch)
+    if i % log_every == 0:
+      metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+      if probe:
+        metrics.update(probe(state["params"], batch))
+      names |= set(metrics)
+  jax.block_until_ready(state)
+  variant[1] = state
+  return time.perf_counter() - wall, time.process_time() - cpu, names
+
+
+def machine():
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  import flax
+  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "flax": flax.__version__,
+          "backend": jax.default_backend(), "date": datetime.datetime.now().isoformat(timespec="minutes")}
+
+
+def measure(config, reps, n_steps, log_every):
+  cfg = load_config(os.path.join(ROOT, "configs", config), [f"train.log_every={log_every}"])
+  built = {}
+  for name in VARIANTS:
+    built[name], batch = build(cfg, name != "off", name == "on")
+    run(built[name], batch, log_every, log_every)  # warm: the first log step compiles the probe
+  wall = {name: [] for name in VARIANTS}
+  cpu = {name: [] for name in VARIANTS}
+  logged = {}
+  for r in range(reps):
+    for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+      w, c, logged[name] = run(built[name], batch, n_steps, log_every)
+      wall[name].append(w / n_steps)
+      cpu[name].append(c / n_steps)
+  ratios = {f"{name}/off": {"wall": [a / b for a, b in zip(wall[name], wall["off"])],
+                            "cpu": [a / b for a, b in zip(cpu[name], cpu["off"])]} for name in ("norms", "on")}
+  fastest_ratio = {f"{name}/off": {"wall": round(min(wall[name]) / min(wall["off"]), 4),
+                                   "cpu": round(min(cpu[name]) / min(cpu["off"]), 4)} for name in ("norms", "on")}
+  return {"config": config, "steps_per_run": n_steps, "log_every": log_every, "reps": reps,
+          "probe_rows": monitors.probe_rows(cfg.data.batch_size, sharding.make_mesh(cfg.mesh)),
+          "batch": [cfg.data.batch_size, cfg.data.seq_len],
+          "step_s_median": {n: round(statistics.median(v), 4) for n, v in wall.items()},
+          "cpu_s_median": {n: round(statistics.median(v), 4) for n, v in cpu.items()},
+          "ratio_median": {k: {m: round(statistics.median(v), 4) for m, v in r.items()} for k, r in ratios.items()},
+          "ratio_fastest": fastest_ratio, "parts": parts(built, batch, log_every),
+          "ratios": {k: {m: [round(x, 4) for x in v] for m, v in r.items()} for k, r in ratios.items()},
+          "monitor_names": len(logged["on"] - logged["off"]), "load_avg": os.getloadavg()[0]}
+
+
+def main(argv=None):
+  with cli.errors():
+    args = cli.parse(__doc__, FLAGS, argv)
+  print(json.dumps(machine()))
+  for config in args.configs.split(","):
+    print(json.dumps(measure(config, args.reps, args.steps, args.log_every)), flush=True)
+
+
+if __name__ == "__main__":
+  main()

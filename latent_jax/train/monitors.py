@@ -1,0 +1,55 @@
+"""The monitors' probe (train.monitors): per-layer attention statistics at log steps.
+
+A separate jitted forward pass of the model (no LM head, no backward) on PROBE_ROWS rows of the
+step's batch with the current params, in which every attention layer records the per-head
+statistics of its q and k (`Attention.monitor`, `latent_jax.ops.monitors.qk_stats`). Run only
+at log steps, it costs about rows / batch of a forward pass per log_every steps
+(docs/performance.md, "Monitors"). The gradient and update norms per group come from the train
+step itself (`latent_jax.ops.monitors.monitor_metrics`).
+"""
+import jax
+from flax import nnx
+
+from latent_jax import sharding
+from latent_jax.nn.lora import adapt
+from latent_jax.ops import monitors as M
+
+PROBE_ROWS = 2  # rows of each probed batch (rounded up to a multiple of the batch's shards)
+
+
+def probe_rows(batch_size, mesh, rows=PROBE_ROWS):
+  """How many rows the probe reads: `rows`, rounded up to a multiple of the data*fsdp shards, at most the batch."""
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  return min(batch_size, -(-rows // shards) * shards)
+
+
+def attention_metrics(model, batch):
+  """Run `model` (monitor set) on a batch {inputs, segment_ids, positions} -> {metric name: value}, from every
+  stack's qk_stats (ops/monitors.py, layer_metrics; ConceptLM's layers named after their module)."""
+  model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
+  out = {}
+  for path, stats in nnx.to_flat_state(nnx.pop(model, nnx.Intermediate)):
+    if path[-1] == "qk_stats" and len(path) == 2:  # a stack's: blocks/qk_stats, encoder/qk_stats, ...
+      out.update(M.layer_metrics(stats.get_value(), "" if path[0] == "blocks" else f"{path[0]}/"))
+  return out
+
+
+def make_probe(graphdef, cfg, shardings, mesh, rows=PROBE_ROWS, compile_for=None):
+  """probe(params, batch) -> {name: float}: the per-layer attention metrics (M.layer_metrics) on `rows` rows of a
+  global train batch, evenly spaced so that each batch shard gives its share. `shardings`: the train state's."""
+  n = probe_rows(cfg.data.batch_size, mesh, rows)
+  stride = cfg.data.batch_size // n
+
+  def probe(params, batch):
+    with sharding.use_mesh(mesh):
+      model = nnx.merge(graphdef, adapt(params, cfg))  # LoRA: W + A B, as the step computes with
+      # A forward pass only: no recomputation policy (ConceptLM's IRC stacks would drop the statistics under one).
+      model.set_attributes(monitor=True, remat="none", raise_if_not_found=False)
+      rows_ = {k: batch[k][::stride][:n] for k in ("inputs", "segment_ids", "positions")}
+      return attention_metrics(model, rows_)
+
+  jitted = jax.jit(probe, in_shardings=(shardings["params"], sharding.batch_sharding(mesh)),
+                   out_shardings=sharding.replicated(mesh))
+  if compile_for is not None:  # (abstract params, batch shapes): compiled now, out of the first rows' throughput
+    jitted = jitted.lower(*compile_for).compile()
+  return lambda params, batch: {k: float(v) for k, v in jax.device_get(jitted(params, batch)).items()}

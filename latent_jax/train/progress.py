@@ -1,0 +1,68 @@
+"""What a run shows a person while it trains: a progress bar on a terminal, a plain line per log step
+otherwise (a file or a pipe, where a bar is one long line broken by carriage returns).
+
+Both show the LM loss, the method's own terms (NCP, VQ, NITP, MTP, z-loss), ConceptLM's codebook
+health, the last validation loss, skipped steps (the spike guard), tokens/s and MFU.
+"""
+import sys
+import time
+
+import jax
+import tqdm
+
+# Logged names shown, in this order, with the label they get.
+SHOWN = (("loss", "loss"), ("ncp_loss", "ncp"), ("vq_loss", "vq"), ("nitp_loss", "nitp"), ("mtp_loss", "mtp"),
+         ("z_loss", "z"), ("code_usage", "codes used"), ("dead_codes", "dead"), ("skipped_steps", "skipped"))
+
+
+def describe(metrics, last_val):
+  """{label: text} of a logged row, and the last validation loss (None before the first)."""
+  out = {label: f"{metrics[k]:.3g}" if k != "loss" else f"{metrics[k]:.3f}" for k, label in SHOWN
+         if k in metrics and not (k == "skipped_steps" and not metrics[k])}
+  if last_val is not None:
+    out["val"] = f"{last_val:.3f}"
+  out["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
+  out["mfu"] = f"{100 * metrics['mfu']:.2g}%"  # two digits: a tiny model on a GPU is at 0.05%
+  return out
+
+
+class Progress:
+  """One phase's progress: `started()` after its first step has run (so the rate leaves out the compiled
+  program's first dispatch), `logged(step, metrics)` at log steps, `advance()` at every step."""
+
+  def __init__(self, start, end, terminal=None):
+    self.show = jax.process_index() == 0
+    self.terminal = sys.stderr.isatty() if terminal is None else terminal
+    self.start, self.end, self.last_val = start, end, None
+    self.bar = tqdm.tqdm(total=end, initial=start, dynamic_ncols=True) if self.show and self.terminal else None
+    self.clock, self.clock_step = time.perf_counter(), start
+
+  def started(self, step):
+    """The first step has run: measure the rate from here."""
+    self.clock, self.clock_step = time.perf_counter(), step
+    if self.bar is not None:
+      self.bar.start_t, self.bar.initial, self.bar.last_print_n = self.bar._time(), step, step
+      self.bar.n = step - 1  # advance() counts this step
+
+  def logged(self, step, metrics):
+    if "val_loss" in metrics:
+      self.last_val = metrics["val_loss"]
+    if not self.show:
+      return
+    shown = describe(metrics, self.last_val)
+    if self.bar is not None:
+      self.bar.set_postfix(shown, refresh=False)
+    else:
+      rate = (step - self.clock_step) / max(time.perf_counter() - self.clock, 1e-9)
+      left = (self.end - step) / rate if rate > 0 and step > self.clock_step else float("nan")
+      eta = f", {left / 60:.1f} min left" if left == left else ""
+      print(f"step {step}/{self.end}: " + ", ".join(f"{k} {v}" for k, v in shown.items()) + f" ({rate:.2f} steps/s{eta})",
+            flush=True)
+
+  def advance(self):
+    if self.bar is not None:
+      self.bar.update(1)
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
