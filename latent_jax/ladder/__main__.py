@@ -12,6 +12,8 @@
 
 docs/ladder.md: the FLOPs convention, N, the fits and their assumptions, launching across a cluster.
 """
+import glob
+import json
 import os
 import sys
 
@@ -53,10 +55,14 @@ def fit_inputs(args):
         os.path.abspath(args.points)), {"source": args.points}
   if args.config is None or not args.workdir:
     raise ValueError("fit and plot need --config and --workdir (a ladder), or --points FILE.csv.")
-  from latent_jax.ladder.run import read_result, results_dir
+  from latent_jax.ladder.run import results_dir
   ladder = args.config
-  rows = [read_result(ladder, args.workdir, p) for p in ladder_points(args)]
-  done = [r for r in rows if r and r["status"] == "done"]
+  # The recorded results alone (no store, no training code): a ladder fits on any machine its results reach.
+  rows = []
+  for path in sorted(glob.glob(os.path.join(results_dir(ladder, args.workdir), "points", "*.json"))):
+    with open(path) as f:
+      rows.append(json.load(f))
+  done = [r for r in rows if r["status"] == "done" and r["method"] in ladder.methods]
   if not done:
     raise ValueError(f"no finished points yet in {results_dir(ladder, args.workdir)}; run the ladder first "
                      "(python -m latent_jax.ladder run ...).")
@@ -66,7 +72,7 @@ def fit_inputs(args):
                 "training FLOPs without the LM head's matmul (NCP's C = F_tok x D)")
   notes = {"flops": convention, "params": "non-embedding parameters of the inference model",
            "loss": "validation loss, nats/token, the whole held-out split of " + ladder.data,
-           "points": f"{len(done)} of {len(rows)} finished"}
+           "points": f"{len(done)} finished points recorded"}
   return pts, args.reference or ladder.reference, args.out or results_dir(ladder, args.workdir), notes
 
 
