@@ -3,7 +3,8 @@
    [--batch_size=8] [--max_length=N]
 
 One evaluation command, for the latest (or a named) checkpoint of a workdir or an export folder,
-BaselineLM or ConceptLM; it prints one JSON line.
+BaselineLM or ConceptLM; it prints one JSON line. For ConceptLM it adds, on the same validation batches,
+ncp_loss and vq_loss and the codebook's health (code_usage, code_usage_min, code_perplexity, dead_codes).
 
 Validation loss (nats/token) and bits per byte on the held-out split of the run's data: the split and
 tokenizer are rebuilt from the saved config exactly as in training, and by default the same batches
@@ -56,6 +57,9 @@ def evaluate_dir(directory, step=None, max_batches=None, tasks=(), rows=8, max_l
   result = steps.evaluate(eval_step, params, batches, mesh, cfg.data.batch_size)
   tokens = result.pop("val_tokens")
   result = {"step": step, **result, "batches": len(batches), "split_batches": split_batches, "tokens": tokens}
+  if cfg.model.name == "concept":  # its own terms and codebook health on the same batches, as training logs them
+    terms_step = steps.make_terms_step(graphdef, cfg, param_shardings, mesh)
+    result.update(steps.evaluate_terms(terms_step, params, batches, mesh, cfg.data.batch_size))
   if examples:
     scorer = proxies.Proxies(examples, "--tasks", data.tokenizer, graphdef, param_shardings, mesh, rows,
                              max_length or cfg.data.seq_len)

@@ -253,6 +253,7 @@ def test_concept_run_logs_proxies_and_eval_prints_them(concept_run, task_dir, ca
   main(["--workdir", concept_run, "--tasks", task_dir])
   result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert NAMES <= set(result)
+  check_concept_terms(concept_run, result)
   for name in sorted(k for k in result if k.startswith("proxy/")):
     assert result[name] == pytest.approx(last[name], rel=1e-5, abs=1e-6), name
 
@@ -284,3 +285,28 @@ def test_loglikelihoods_equal_the_harness_models(which, request, task_dir):
                           disable_tqdm=True)
   assert len(got) == len(want) > 100
   np.testing.assert_allclose(got, [ll for ll, _ in want], rtol=0, atol=1e-5)
+
+
+def check_concept_terms(workdir, result):
+  """eval's ncp_loss, vq_loss and code usage equal the objective's own, run batch by batch without jit:
+  each term's sums over its counts, the codes histogram summed over the batches."""
+  import numpy as np
+  from latent_jax import checkpoint, objectives
+  from latent_jax.data import build_data, make_val_batches
+  from latent_jax.infer import load
+  saved, step = checkpoint.load_config(workdir)
+  cfg = load.inference_config(saved)
+  graphdef, params = load.load_params(workdir, saved, step)
+  data = build_data(cfg, workdir)
+  from flax import nnx
+  sums, counts, histogram = {"ncp_loss": 0.0, "vq_loss": 0.0}, {"ncp_loss": 0.0, "vq_loss": 0.0}, 0
+  for b in make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches):
+    _, m = objectives.ncp_objective(nnx.merge(graphdef, params), b, cfg)
+    for k in sums:
+      sums[k] += float(m[k]) * float(m["counts"][k])
+      counts[k] += float(m["counts"][k])
+    histogram = histogram + np.asarray(m["code_histogram"])
+  for k in sums:
+    assert result[k] == pytest.approx(sums[k] / counts[k], rel=1e-4), k
+  assert result["dead_codes"] == pytest.approx(float(np.mean(np.sum(histogram == 0, -1))))
+  assert result["code_usage"] == pytest.approx(float(np.mean(np.mean(histogram > 0, -1))))

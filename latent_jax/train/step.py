@@ -134,3 +134,35 @@ def evaluate(eval_step, params, batches, mesh, batch_size):
     s, n, nb = eval_step(params, sharding.global_batch(b, mesh, batch_size))
     nll, count, num_bytes = nll + float(s), count + int(n), num_bytes + int(nb)
   return {"val_loss": nll / max(count, 1), "val_bpb": nll / math.log(2) / max(num_bytes, 1), "val_tokens": count}
+
+
+def make_terms_step(graphdef, cfg, param_shardings, mesh):
+  """ConceptLM's own terms on one validation batch: (sums and counts of ncp_loss and vq_loss, the code
+  histogram), which `eval` reports beside the validation loss (evaluate_terms)."""
+  cfg = cfg.copy_and_resolve_references()
+  for head in ("nitp", "mtp"):  # the inference model has no training-only heads
+    if head in cfg:
+      cfg[head].enabled = False
+
+  def terms_step(params, batch):
+    with sharding.use_mesh(mesh):
+      _, metrics = objectives.ncp_objective(nnx.merge(graphdef, adapt(params, cfg)), batch, cfg)
+    counts = metrics["counts"]
+    return ({k: metrics[k] * counts[k] for k in TERMS}, {k: counts[k] for k in TERMS}, metrics["code_histogram"])
+  return jax.jit(terms_step, in_shardings=(param_shardings, sharding.batch_sharding(mesh)),
+                 out_shardings=sharding.replicated(mesh))
+
+
+TERMS = ("ncp_loss", "vq_loss")
+
+
+def evaluate_terms(terms_step, params, batches, mesh, batch_size):
+  """NCP and VQ losses over `batches` (each term's sum over its count) and the codebook's usage."""
+  sums, counts, histogram = {k: 0.0 for k in TERMS}, {k: 0.0 for k in TERMS}, 0
+  for b in batches:
+    s, n, h = terms_step(params, sharding.global_batch(b, mesh, batch_size))
+    for k in TERMS:
+      sums[k], counts[k] = sums[k] + float(s[k]), counts[k] + float(n[k])
+    histogram = histogram + np.asarray(h)
+  usage = {k: float(v) for k, v in objectives.C.codebook_usage(jnp.asarray(histogram)).items()}
+  return {**{k: sums[k] / max(counts[k], 1.0) for k in TERMS}, **usage}
