@@ -26,6 +26,7 @@ def test_a_conceptlm_run_to_a_file_prints_plain_lines_and_a_profile(tmp_path):
   for term in ("loss ", "ncp ", "vq ", "codes used ", "dead ", "tok/s ", "mfu "):
     assert term in lines[0], (term, lines[0])
   assert "val " not in lines[0] and "val " in lines[1]  # the last validation loss, from step 3 on (eval_every=3)
-  assert glob.glob(os.path.join(workdir, "profile", "**", "*.xplane.pb"), recursive=True)
+  for trace in ("*.xplane.pb", "perfetto_trace.json.gz"):  # XProf / TensorBoard's, and Perfetto's
+    assert glob.glob(os.path.join(workdir, "profile", "**", trace), recursive=True), trace
   report = out.stdout[out.stdout.index("profile of steps 2..3"):].splitlines()[1:4]
   assert all(line.strip().split()[1] == "ms" and float(line.split()[0]) > 0 for line in report), report

@@ -23,7 +23,7 @@ class StepProfiler:
   def before(self, step):
     """Call before running global step `step` (1-based); returns the step's trace annotation context."""
     if self.first <= step <= self.last and not self.active and jax.process_index() == 0:
-      jax.profiler.start_trace(self.directory)
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)  # also Perfetto's format
       self.active = True
     return jax.profiler.StepTraceAnnotation("train", step_num=step) if self.active else _nothing()
 
@@ -35,8 +35,8 @@ class StepProfiler:
       self.active = False
       traces = sorted(glob.glob(os.path.join(self.directory, "**", "*.xplane.pb"), recursive=True),
                       key=os.path.getmtime)
-      self.log(f"profile of steps {self.first}..{self.last}: {os.path.dirname(traces[-1])} "
-               f"(tensorboard --logdir {self.directory}, or ui.perfetto.dev)")
+      self.log(f"profile of steps {self.first}..{self.last}: {os.path.dirname(traces[-1])} (tensorboard --logdir "
+               f"{self.directory}, or its perfetto_trace.json.gz at ui.perfetto.dev)")
       for name, ms, count in top_operations(traces[-1]):
         self.log(f"  {ms:10.2f} ms  {count:6d} x  {name}")
 
