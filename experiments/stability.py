@@ -133,7 +133,7 @@ def main():
              "peak q norm": per_seed(runs, peak("q_norm_max")),
              "peak k norm": per_seed(runs, peak("k_norm_max")),
              "peak grad norm": per_seed(runs, peak("grad_norm")),
-             "largest loss rise": per_seed(runs, lambda rows: max(rise for _, rise in rises(rows)), "{:.1%}"),
+             "largest loss rise": per_seed(runs, lambda rows: max((r for _, r in rises(rows)), default=0.0), "{:.1%}"),
              "loss spikes": per_seed(runs, lambda rows: len(spikes(rows)), "{}")}
   spike_steps = "\n".join(f"- {name} seed {seed}: {spikes(rows) or 'none'}"
                           for name, by_seed in runs.items() for seed, rows in by_seed.items())
