@@ -125,6 +125,7 @@ def validate(cfg):
         f"median), got {o.get('skip_factor')!r}.")
   check(o.get("skip_factor", 0) == 0 or (isinstance(o.skip_window, int) and o.skip_window >= 1), "optim.skip_window",
         f"must be a positive integer, got {o.get('skip_window')!r}.")
+  check(isinstance(t.get("monitors", False), bool), "train.monitors", f"must be True or False, got {t.get('monitors')!r}.")
   profile = t.get("profile_steps", (0, 0))
   check(isinstance(profile, (tuple, list)) and len(profile) == 2 and all(isinstance(x, int) and x >= 0 for x in profile),
         "train.profile_steps", f"must be (START, COUNT), two integers >= 0 (COUNT 0 = off), got {profile!r}.")
