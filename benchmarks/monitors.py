@@ -21,7 +21,6 @@ log_every) / step. With the CPU model, versions and date (docs/performance.md, "
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import numpy as np
 from latent_jax import cli, load_config, objectives, sharding
 from latent_jax.nn import abstract_model, axes_tree
 from latent_jax.ops.monitors import monitor_metrics
-from latent_jax.train import monitors
+from latent_jax.train import flops, monitors
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 
@@ -110,14 +109,8 @@ def run(variant, batch, n_steps, log_every):
 
 
 def machine():
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
   import flax
-  return {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__, "flax": flax.__version__,
+  return {"cpu": flops.processor(), "cores": os.cpu_count(), "jax": jax.__version__, "flax": flax.__version__,
           "backend": jax.default_backend(), "date": datetime.datetime.now().isoformat(timespec="minutes")}
 
 

@@ -41,7 +41,7 @@ class Progress:
     """The first step has run: measure the rate from here."""
     self.clock, self.clock_step = time.perf_counter(), step
     if self.bar is not None:
-      self.bar.start_t, self.bar.initial, self.bar.last_print_n = self.bar._time(), step, step
+      self.bar.start_t, self.bar.initial, self.bar.last_print_n = time.time(), step, step  # tqdm's clock
       self.bar.n = step - 1  # advance() counts this step
 
   def logged(self, step, metrics):
