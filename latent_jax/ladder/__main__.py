@@ -51,6 +51,8 @@ def fit_inputs(args):
   if args.points:
     if args.config is not None:
       raise ValueError("--points and --config: give one, a CSV of points or a ladder config.")
+    if not os.path.isfile(args.points):
+      raise FileNotFoundError(f"--points {args.points}: no such file; give a CSV with columns method,flops,params,tokens,loss.")
     return fit.read_points(args.points), args.reference or "baseline", args.out or os.path.dirname(
         os.path.abspath(args.points)), {"source": args.points}
   if args.config is None or not args.workdir:
