@@ -1,6 +1,7 @@
 """What train.monitors costs: the train step's throughput with the monitors on against off, in one process.
 
   python benchmarks/monitors.py [--configs=tiny.py,tiny_ncp.py] [--reps=8] [--steps=20] [--log_every=10]
+                                [--variants=off,norms,on] [--pairs=100]
 
 For each config, three variants of the real jitted train step on one random batch, each with its own
 train state, run as the train loop runs them: `steps` steps, and at every `log_every`-th step the
@@ -10,19 +11,20 @@ metrics fetched (and, with the probe, the probe run on the batch):
   norms   the step's grad_norm/{group} and update_norm/{group} only (every step), no probe
   on      train.monitors=True: those and the probe (latent_jax/train/monitors.py) at log steps
 
+(`--variants=off,on` leaves `norms` out, for more rounds of the comparison that decides.)
 `reps` rounds, the variants' order rotated every round, so load from other jobs falls on all; a
 round's ratio compares its own runs. Reports wall and process CPU seconds per step, per round
-and the median ratio, and the ratio of the variants' fastest rounds. On a shared machine the
-wall ratios move by more than the 2% they measure, so the parts are also timed on their own
-(the fastest of many calls): the probe, and the group norms as a jitted function of the
-step's gradient and update trees, against the fastest step; `estimate` = (norms + probe /
-log_every) / step. With the CPU model, versions and date (docs/performance.md, "Monitors").
+and the median ratio, the ratio of the variants' total times over all rounds, and the ratio of
+their fastest rounds. Rounds of log_every steps move by a few percent on this machine even
+idle, so the two parts are also measured where the loop pays them (`parts`, `--pairs`): the
+group norms inside the step, as the median ratio of on's step to off's over single steps
+alternated, and the probe, as the median of its calls right after a step; `estimate` =
+norms_in_step + probe / log_every / step. With the CPU model, versions and date (docs/performance.md, "Monitors").
 """
 import datetime
 import json
 import os
 import statistics
-import sys
 import time
 
 import jax
@@ -30,7 +32,6 @@ import numpy as np
 
 from latent_jax import cli, load_config, objectives, sharding
 from latent_jax.nn import abstract_model, axes_tree
-from latent_jax.ops.monitors import monitor_metrics
 from latent_jax.train import flops, monitors
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
@@ -39,7 +40,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = [cli.Flag("configs", str, "tiny.py,tiny_ncp.py", "configs/ files, a comma list"),
          cli.Flag("reps", int, 8, "rounds (each runs every variant once)", lambda n: n >= 1, ">= 1"),
          cli.Flag("steps", int, 20, "steps per run", lambda n: n >= 1, ">= 1"),
-         cli.Flag("log_every", int, 10, "train.log_every", lambda n: n >= 1, ">= 1")]
+         cli.Flag("log_every", int, 10, "train.log_every", lambda n: n >= 1, ">= 1"),
+         cli.Flag("pairs", int, 100, "single steps of off and on alternated, for the parts", lambda n: n >= 1, ">= 1"),
+         cli.Flag("variants", str, "off,norms,on", "off and on, and optionally norms",
+                  lambda s: {"off", "on"} <= set(s.split(",")) <= set(VARIANTS), "off,on or off,norms,on")]
 VARIANTS = ("off", "norms", "on")
 
 
@@ -63,31 +67,35 @@ def build(cfg, monitored, probed):
   return [compiled, state, probe], batch
 
 
-def fastest(f, calls):
-  """The fastest of `calls` timed calls of f (after one untimed), in seconds."""
-  jax.block_until_ready(f())
-  times = []
-  for _ in range(calls):
-    start = time.perf_counter()
-    jax.block_until_ready(f())
-    times.append(time.perf_counter() - start)
-  return min(times)
+def timed(variant, batch):
+  """One step of `variant`, waited for -> seconds; updates its state."""
+  start = time.perf_counter()
+  variant[1], m = variant[0](variant[1], batch)
+  jax.block_until_ready((variant[1], m))
+  return time.perf_counter() - start
 
 
-def parts(built, batch, log_every, calls=20):
-  """Each part timed on its own, the fastest of `calls`: a step of `off`, the probe, and the group norms of
-  two param-shaped trees (a jitted function of its own: an upper bound of their cost inside the step)."""
-  variant = built["off"]
-  step_times = []
-  for _ in range(calls):
+def parts(built, batch, log_every, pairs):
+  """The two parts of the cost, each where the loop pays it: the group norms inside the step, as the
+  median ratio of `on`'s step to `off`'s over `pairs` single steps alternated (which cancels drift
+  better than runs of log_every steps), and the probe, as the median of calls made right after a step."""
+  off, on = built["off"], built["on"]
+  ratios, steps, probes = [], [], []
+  for i in range(pairs):
+    if i % 2:  # the order alternates
+      t_off = timed(off, batch)
+      t_on = timed(on, batch)
+    else:
+      t_on = timed(on, batch)
+      t_off = timed(off, batch)
+    ratios.append(t_on / t_off)
+    steps.append(t_off)
     start = time.perf_counter()
-    variant[1], m = variant[0](variant[1], batch)
-    jax.block_until_ready((variant[1], m))
-    step_times.append(time.perf_counter() - start)
-  params, probe, norms = built["on"][1]["params"], built["on"][2], jax.jit(monitor_metrics)
-  out = {"step_s": min(step_times), "probe_s": fastest(lambda: probe(params, batch), calls),
-         "norms_s": fastest(lambda: norms(params, params), calls)}
-  out["estimate"] = (out["norms_s"] + out["probe_s"] / log_every) / out["step_s"]
+    on[2](on[1]["params"], batch)
+    probes.append(time.perf_counter() - start)
+  out = {"step_s": statistics.median(steps), "norms_in_step": statistics.median(ratios) - 1,
+         "probe_s": statistics.median(probes)}
+  out["estimate"] = out["norms_in_step"] + out["probe_s"] / log_every / out["step_s"]
   return {k: round(v, 5) for k, v in out.items()}
 
 
@@ -114,33 +122,37 @@ def machine():
           "backend": jax.default_backend(), "date": datetime.datetime.now().isoformat(timespec="minutes")}
 
 
-def measure(config, reps, n_steps, log_every):
+def measure(config, reps, n_steps, log_every, variants=VARIANTS, pairs=100):
   cfg = load_config(os.path.join(ROOT, "configs", config), [f"train.log_every={log_every}"])
   built = {}
-  for name in VARIANTS:
+  for name in variants:
     built[name], batch = build(cfg, name != "off", name == "on")
     run(built[name], batch, log_every, log_every)  # warm: the first log step compiles the probe
-  wall = {name: [] for name in VARIANTS}
-  cpu = {name: [] for name in VARIANTS}
+  wall = {name: [] for name in variants}
+  cpu = {name: [] for name in variants}
+  others = [name for name in variants if name != "off"]
   logged = {}
   for r in range(reps):
-    for name in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+    for name in variants[r % len(variants):] + variants[:r % len(variants)]:
       w, c, logged[name] = run(built[name], batch, n_steps, log_every)
       wall[name].append(w / n_steps)
       cpu[name].append(c / n_steps)
   ratios = {f"{name}/off": {"wall": [a / b for a, b in zip(wall[name], wall["off"])],
-                            "cpu": [a / b for a, b in zip(cpu[name], cpu["off"])]} for name in ("norms", "on")}
+                            "cpu": [a / b for a, b in zip(cpu[name], cpu["off"])]} for name in others}
+  total_ratio = {f"{name}/off": {"wall": round(sum(wall[name]) / sum(wall["off"]), 4),
+                                 "cpu": round(sum(cpu[name]) / sum(cpu["off"]), 4)} for name in others}
   fastest_ratio = {f"{name}/off": {"wall": round(min(wall[name]) / min(wall["off"]), 4),
-                                   "cpu": round(min(cpu[name]) / min(cpu["off"]), 4)} for name in ("norms", "on")}
+                                   "cpu": round(min(cpu[name]) / min(cpu["off"]), 4)} for name in others}
   return {"config": config, "steps_per_run": n_steps, "log_every": log_every, "reps": reps,
           "probe_rows": monitors.probe_rows(cfg.data.batch_size, sharding.make_mesh(cfg.mesh)),
           "batch": [cfg.data.batch_size, cfg.data.seq_len],
           "step_s_median": {n: round(statistics.median(v), 4) for n, v in wall.items()},
           "cpu_s_median": {n: round(statistics.median(v), 4) for n, v in cpu.items()},
           "ratio_median": {k: {m: round(statistics.median(v), 4) for m, v in r.items()} for k, r in ratios.items()},
-          "ratio_fastest": fastest_ratio, "parts": parts(built, batch, log_every),
+          "ratio_total": total_ratio,
+          "ratio_fastest": fastest_ratio, "parts": parts(built, batch, log_every, pairs),
           "ratios": {k: {m: [round(x, 4) for x in v] for m, v in r.items()} for k, r in ratios.items()},
-          "monitor_names": len(logged["on"] - logged["off"]), "load_avg": os.getloadavg()[0]}
+          "monitor_names": len(logged["on"] - logged["off"]) if "on" in logged else None, "load_avg": os.getloadavg()[0]}
 
 
 def main(argv=None):
@@ -148,7 +160,8 @@ def main(argv=None):
     args = cli.parse(__doc__, FLAGS, argv)
   print(json.dumps(machine()))
   for config in args.configs.split(","):
-    print(json.dumps(measure(config, args.reps, args.steps, args.log_every)), flush=True)
+    result = measure(config, args.reps, args.steps, args.log_every, tuple(args.variants.split(",")), args.pairs)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
