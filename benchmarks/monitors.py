@@ -1,7 +1,7 @@
 """What train.monitors costs: the train step's throughput with the monitors on against off, in one process.
 
   python benchmarks/monitors.py [--configs=tiny.py,tiny_ncp.py] [--reps=8] [--steps=20] [--log_every=10]
-                                [--variants=off,norms,on] [--pairs=100]
+                                [--variants=off,norms,on] [--pairs=200]
 
 For each config, three variants of the real jitted train step on one random batch, each with its own
 train state, run as the train loop runs them: `steps` steps, and at every `log_every`-th step the
@@ -17,9 +17,10 @@ round's ratio compares its own runs. Reports wall and process CPU seconds per st
 and the median ratio, the ratio of the variants' total times over all rounds, and the ratio of
 their fastest rounds. Rounds of log_every steps move by a few percent on this machine even
 idle, so the two parts are also measured where the loop pays them (`parts`, `--pairs`): the
-group norms inside the step, as the median ratio of on's step to off's over single steps
-alternated, and the probe, as the median of its calls right after a step; `estimate` =
-norms_in_step + probe / log_every / step. With the CPU model, versions and date (docs/performance.md, "Monitors").
+group norms inside the step, from single steps of off and on alternated, as the median over
+windows of log_every pairs of on's time over off's; the probe, as the median of its calls right
+after a step; `estimate` = norms_in_step + probe / log_every / step. With the CPU model, versions
+and date (docs/performance.md, "Monitors").
 """
 import datetime
 import json
@@ -41,7 +42,7 @@ FLAGS = [cli.Flag("configs", str, "tiny.py,tiny_ncp.py", "configs/ files, a comm
          cli.Flag("reps", int, 8, "rounds (each runs every variant once)", lambda n: n >= 1, ">= 1"),
          cli.Flag("steps", int, 20, "steps per run", lambda n: n >= 1, ">= 1"),
          cli.Flag("log_every", int, 10, "train.log_every", lambda n: n >= 1, ">= 1"),
-         cli.Flag("pairs", int, 100, "single steps of off and on alternated, for the parts", lambda n: n >= 1, ">= 1"),
+         cli.Flag("pairs", int, 200, "single steps of off and on alternated, for the parts", lambda n: n >= 1, ">= 1"),
          cli.Flag("variants", str, "off,norms,on", "off and on, and optionally norms",
                   lambda s: {"off", "on"} <= set(s.split(",")) <= set(VARIANTS), "off,on or off,norms,on")]
 VARIANTS = ("off", "norms", "on")
@@ -76,24 +77,22 @@ def timed(variant, batch):
 
 
 def parts(built, batch, log_every, pairs):
-  """The two parts of the cost, each where the loop pays it: the group norms inside the step, as the
-  median ratio of `on`'s step to `off`'s over `pairs` single steps alternated (which cancels drift
-  better than runs of log_every steps), and the probe, as the median of calls made right after a step."""
-  off, on = built["off"], built["on"]
-  ratios, steps, probes = [], [], []
+  """The two parts of the cost, each where the loop pays it. The group norms inside the step: single steps
+  of `off` and `on` alternated `pairs` times (which cancels drift better than runs of log_every steps), the
+  ratio of on's time to off's over each log_every consecutive pairs, the median of those; the probe: the
+  median of its calls right after a step."""
+  on = built["on"]
+  times = {"off": [], "on": []}
+  probes = []
   for i in range(pairs):
-    if i % 2:  # the order alternates
-      t_off = timed(off, batch)
-      t_on = timed(on, batch)
-    else:
-      t_on = timed(on, batch)
-      t_off = timed(off, batch)
-    ratios.append(t_on / t_off)
-    steps.append(t_off)
+    for name in ("off", "on") if i % 2 else ("on", "off"):
+      times[name].append(timed(built[name], batch))
     start = time.perf_counter()
     on[2](on[1]["params"], batch)
     probes.append(time.perf_counter() - start)
-  out = {"step_s": statistics.median(steps), "norms_in_step": statistics.median(ratios) - 1,
+  windows = [sum(times["on"][i:i + log_every]) / sum(times["off"][i:i + log_every])
+             for i in range(0, pairs - log_every + 1, log_every)]
+  out = {"step_s": statistics.median(times["off"]), "norms_in_step": statistics.median(windows) - 1,
          "probe_s": statistics.median(probes)}
   out["estimate"] = out["norms_in_step"] + out["probe_s"] / log_every / out["step_s"]
   return {k: round(v, 5) for k, v in out.items()}
@@ -122,7 +121,7 @@ def machine():
           "backend": jax.default_backend(), "date": datetime.datetime.now().isoformat(timespec="minutes")}
 
 
-def measure(config, reps, n_steps, log_every, variants=VARIANTS, pairs=100):
+def measure(config, reps, n_steps, log_every, variants=VARIANTS, pairs=200):
   cfg = load_config(os.path.join(ROOT, "configs", config), [f"train.log_every={log_every}"])
   built = {}
   for name in variants:

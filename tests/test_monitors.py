@@ -3,6 +3,7 @@
 Both models are recomputed in NumPy from their weights alone (tests/numpy_ref.py, tests/ncp_ref.py),
 each layer's q and k from its input there, with layer-wise and per-head QK-norm.
 """
+import json
 import os
 
 import jax
@@ -162,6 +163,25 @@ def test_step_group_norms():
     squares[group] = squares.get(group, 0.0) + np.sum((np.float64(new) - old) ** 2)
   for group, s in squares.items():
     np.testing.assert_allclose(metrics[f"update_norm/{group}"], np.sqrt(s), rtol=1e-3, atol=1e-7, err_msg=group)
+
+
+def test_run_logs_every_monitor_at_each_logged_step(tmp_path, corpus_dir):
+  """Through the train loop: each logged row (the cadence's and the last step's) has every group norm and
+  the probe's per-layer statistics, finite, and the group norms square-sum to grad_norm."""
+  from latent_jax.train.loop import train
+  extra = ["train.steps=3", "train.log_every=2", "train.eval_every=0", "train.checkpoint_every=100",
+           f"data.source={corpus_dir}"]
+  train(load_config(os.path.join(ROOT, "configs", "tiny.py"), TINY_OVERRIDES + extra), str(tmp_path))
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["step"] for r in rows] == [2, 3]
+  for r in rows:
+    names = {k for k in r if k.startswith(("grad_norm/", "update_norm/"))}
+    assert names == {f"{n}/{g}" for n in ("grad_norm", "update_norm") for g in ("attn", "mlp", "norms", "embed", "lm_head")}
+    assert {f"{n}/layer{i}" for n in ("attn_logit_max", "attn_logit_head", "q_norm_max", "k_norm_max")
+            for i in range(2)} <= set(r)
+    assert all(np.isfinite(r[k]) for k in r if "/" in k)
+    assert sum(r[f"grad_norm/{g}"] ** 2 for g in ("attn", "mlp", "norms", "embed", "lm_head")) == pytest.approx(
+        r["grad_norm"] ** 2, rel=1e-4)
 
 
 def test_concept_groups():
