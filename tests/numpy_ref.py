@@ -21,6 +21,21 @@ def rope(x, positions, base, frequencies=None, scale=1.0):
   return out
 
 
+def qkv(x, p, cfg, positions, frequencies=None, scale=1.0):
+  """q [B,T,H,D], k and v [B,T,K,D] of one attention layer (params p: q, k, v, q_norm, k_norm) on x [B,T,d]:
+  QK-norm over the layer's width (cfg.qk_norm "layer") or per head ("head"), then RoPE on q and k."""
+  b, t, _ = x.shape
+  h, kh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  q, k, v = x @ p["q"], x @ p["k"], x @ p["v"]
+  norm = lambda a, name: rms_norm(a, p[name]["scale"], cfg.norm_eps)
+  if cfg.qk_norm == "layer":
+    q, k = norm(q, "q_norm"), norm(k, "k_norm")
+  q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, kh, hd), v.reshape(b, t, kh, hd)
+  if cfg.qk_norm == "head":
+    q, k = norm(q, "q_norm"), norm(k, "k_norm")
+  return rope(q, positions, cfg.rope_base, frequencies, scale), rope(k, positions, cfg.rope_base, frequencies, scale), v
+
+
 def yarn_frequencies(d, base, factor, original_context, beta_fast, beta_slow):
   """YaRN (Peng et al. 2023) from its definitions: pair i has wavelength lambda_i = 2 pi / theta_i and
   turns r_i = L / lambda_i times over the original context L; gamma = 0 below alpha = beta_slow turns,

@@ -88,16 +88,8 @@ def randomize(module, seed=1):
 
 
 def attention_ref(p, cfg, x, pos, seg, window, frequencies=None, scale=1.0):
-  h, k, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  b, t, _ = x.shape
-  q, key, val = x @ p["q"], x @ p["k"], x @ p["v"]
-  if cfg.qk_norm == "layer":
-    q, key = ref.rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps), ref.rms_norm(key, p["k_norm"]["scale"], cfg.norm_eps)
-  q, key, val = q.reshape(b, t, h, hd), key.reshape(b, t, k, hd), val.reshape(b, t, k, hd)
-  if cfg.qk_norm == "head":
-    q, key = ref.rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps), ref.rms_norm(key, p["k_norm"]["scale"], cfg.norm_eps)
-  q, key = (ref.rope(a, pos, cfg.rope_base, frequencies, scale) for a in (q, key))
-  return ref.attention(q, key, val, pos, seg, window).reshape(b, t, h * hd) @ p["o"]
+  q, key, val = ref.qkv(x, p, cfg, pos, frequencies, scale)
+  return ref.attention(q, key, val, pos, seg, window).reshape(*x.shape[:2], -1) @ p["o"]
 
 
 @pytest.mark.parametrize("qk_norm", ["none", "layer", "head"])

@@ -44,19 +44,6 @@ def setup(cfg):
 
 
 # ------------------------------------------------------------------------------------------ NumPy
-def numpy_qk(x, pos, a, m):
-  """q [B,T,H,D], k and v [B,T,K,D] of one attention layer (params `a`) on its input x [B, T, d]: QK-norm, RoPE."""
-  b, t, _ = x.shape
-  h, kh, hd = m.num_heads, m.num_kv_heads, m.head_dim
-  q, k, v = x @ a["q"], x @ a["k"], x @ a["v"]
-  if m.qk_norm == "layer":
-    q, k = ref.rms_norm(q, a["q_norm"]["scale"], m.norm_eps), ref.rms_norm(k, a["k_norm"]["scale"], m.norm_eps)
-  q, k, v = q.reshape(b, t, h, hd), k.reshape(b, t, kh, hd), v.reshape(b, t, kh, hd)
-  if m.qk_norm == "head":
-    q, k = ref.rms_norm(q, a["q_norm"]["scale"], m.norm_eps), ref.rms_norm(k, a["k_norm"]["scale"], m.norm_eps)
-  return ref.rope(q, pos, m.rope_base), ref.rope(k, pos, m.rope_base), v
-
-
 def numpy_stats(q, k, pos, seg, window):
   """(largest logit per head [H], largest q norm per head, largest k norm per KV head), a head at a time."""
   h, kh, d = q.shape[2], k.shape[2], q.shape[3]
@@ -69,7 +56,7 @@ def numpy_stats(q, k, pos, seg, window):
 
 def numpy_block(p, m, x, pos, seg, window, record):
   """A post-norm block (tests/ncp_ref.py's, with either QK-norm) that appends its numpy_stats to `record`."""
-  q, k, v = numpy_qk(x, pos, p["attn"], m)
+  q, k, v = ref.qkv(x, p["attn"], m, pos)
   record.append(numpy_stats(q, k, pos, seg, window))
   att = ref.attention(q, k, v, pos, seg, window).reshape(*x.shape[:2], -1) @ p["attn"]["o"]
   x = x + ref.rms_norm(att, p["attn_norm"]["scale"], m.norm_eps)
