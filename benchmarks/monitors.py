@@ -151,12 +151,14 @@ def measure(config, reps, n_steps, log_every, variants=VARIANTS, pairs=200):
           "ratio_total": total_ratio,
           "ratio_fastest": fastest_ratio, "parts": parts(built, batch, log_every, pairs),
           "ratios": {k: {m: [round(x, 4) for x in v] for m, v in r.items()} for k, r in ratios.items()},
-          "monitor_names": len(logged["on"] - logged["off"]) if "on" in logged else None, "load_avg": os.getloadavg()[0]}
+          "monitor_names": len(logged["on"] - logged["off"]), "load_avg": os.getloadavg()[0]}
 
 
 def main(argv=None):
   with cli.errors():
     args = cli.parse(__doc__, FLAGS, argv)
+    if args.pairs < args.log_every:
+      raise ValueError(f"--pairs={args.pairs}: the parts need at least log_every={args.log_every} pairs (one window).")
   print(json.dumps(machine()))
   for config in args.configs.split(","):
     result = measure(config, args.reps, args.steps, args.log_every, tuple(args.variants.split(",")), args.pairs)
