@@ -127,7 +127,6 @@ def check(got, want, layers):
 def test_step_group_norms():
   """grad_norm/{group} partition grad_norm; update_norm/{group} are the norms of each group's change of params."""
   cfg = config("baseline", "layer")
-  cfg.train.monitors = True
   cfg.optim.warmup_steps = 0  # the first step's learning rate is not 0
   mesh = sharding.make_mesh(cfg.mesh)
   graphdef, abstract = abstract_model(cfg)
@@ -136,7 +135,7 @@ def test_step_group_norms():
   state = steps.init_state(cfg, 0, tx, shardings)
   before = jax.tree_util.tree_flatten_with_path(jax.device_get(state["params"]))[0]
   batch = ragged_batch(cfg.data.batch_size, cfg.data.seq_len, cfg.model.vocab_size)
-  state, metrics = steps.make_train_step(graphdef, tx, cfg, shardings, mesh)(state, batch)
+  state, metrics = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, monitors=True)(state, batch)
   metrics = jax.device_get(metrics)
   groups = {"attn", "mlp", "norms", "embed", "lm_head"}
   assert {k.split("/", 1)[1] for k in metrics if k.startswith("grad_norm/")} == groups

@@ -294,8 +294,8 @@ def run(workdir, corpus, *overrides, kill=None, cost=False):
   cfg = load_config(TINY_TST, RUN + [f"data.source={corpus}", *overrides])
   seen, counts, real = types.SimpleNamespace(first={}, after={}, xla_flops={}), {}, steps.make_train_step
 
-  def make_train_step(graphdef, tx, cfg, shardings, mesh, objective):
-    jitted = real(graphdef, tx, cfg, shardings, mesh, objective)
+  def make_train_step(graphdef, tx, cfg, shardings, mesh, objective, monitors=False):
+    jitted = real(graphdef, tx, cfg, shardings, mesh, objective, monitors)
     phase = 1 if objective is objectives.tst_objective else 2
 
     def compile_recorded(lowered):  # the loop compiles its step ahead of time: lower(...).compile()

@@ -151,26 +151,31 @@ def run(cfg, workdir, allow_data_change, started):
       if step == phase.start:  # a fresh run, or TST's switch
         train_iter = open_iterator(phase, step)
         state = enter_phase(phase, cfg, tx, shardings, abstract_state, phase1)
-      # Compiled before the progress bar starts, so that its rate and ETA count steps only.
+      # Compiled before the progress bar starts, so that its rate and ETA count steps only. With train.monitors,
+      # log steps run a twin that also gives the group norms (make_train_step's `monitors`).
       compile_start = time.perf_counter()
-      train_step = steps.make_train_step(graphdef, tx, cfg, shardings, mesh, phase.objective).lower(
+      compile_step = lambda monitored: steps.make_train_step(
+          graphdef, tx, cfg, shardings, mesh, phase.objective, monitors=monitored).lower(
           abstract_state, steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)).compile()
-      say(f"compiled the train step in {time.perf_counter() - compile_start:.1f} s")
+      train_step = compile_step(False)
+      logged_step = compile_step(True) if probe else train_step
+      say(f"compiled the train step{' and its monitored twin' if probe else ''} in "
+          f"{time.perf_counter() - compile_start:.1f} s")
       bar = Progress(step, phase.end)  # a bar on a terminal, a plain line per log step otherwise
       last_time, last_step, first = time.perf_counter(), step, step + 1
       while step < phase.end:
         batch = sharding.global_batch(next(train_iter), mesh, cfg.data.batch_size)
+        is_last = step + 1 == phase.end
+        eval_now = cfg.train.eval_every > 0 and ((step + 1) % cfg.train.eval_every == 0 or is_last)
+        log_now = (step + 1) % cfg.train.log_every == 0 or is_last or eval_now
         with profiler.before(step + 1):  # train.profile_steps
-          state, step_metrics = train_step(state, batch)
+          state, step_metrics = (logged_step if log_now else train_step)(state, batch)
         step += 1
         profiler.after(step, state)
         if step == first:  # dispatched steps return at once: the bar's rate starts when the first has run
           jax.block_until_ready(step_metrics)
           bar.started(step)
-        is_last = step == phase.end
         stopping = stop.after(step)  # read once: a signal may land at any point of this iteration
-        eval_now = cfg.train.eval_every > 0 and (step % cfg.train.eval_every == 0 or is_last)
-        log_now = step % cfg.train.log_every == 0 or is_last or eval_now
         save_now = step % cfg.train.checkpoint_every == 0 or is_last or stopping
         if log_now or save_now:
           metrics = {k: float(v) for k, v in jax.device_get(step_metrics).items()}

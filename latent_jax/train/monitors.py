@@ -5,7 +5,7 @@ step's batch with the current params, in which every attention layer records the
 statistics of its q and k (`Attention.monitor`, `latent_jax.ops.monitors.qk_stats`). Run only
 at log steps, it costs about rows / batch of a forward pass per log_every steps
 (docs/performance.md, "Monitors"). The gradient and update norms per group come from the train
-step itself (`latent_jax.ops.monitors.monitor_metrics`).
+step's twin that the loop runs at log steps (`make_train_step(..., monitors=True)`).
 """
 import jax
 from flax import nnx

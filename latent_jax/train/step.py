@@ -63,9 +63,11 @@ def batch_shapes(batch_size, seq_len, mesh):
   return {k: row for k in FEATURES}
 
 
-def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_objective):
+def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_objective, monitors=False):
   """The jitted step: gradients of `objective` summed over cfg.train.microbatches splits of the batch's
-  rows (one after another, so activations take the memory of one), then one optimiser update."""
+  rows (one after another, so activations take the memory of one), then one optimiser update. With
+  `monitors`, its metrics also hold the gradient and update norms per parameter group (train.monitors:
+  the loop runs this twin at log steps only, so that the other steps pay nothing for them)."""
   trains = trainable_mask(shardings["params"], trainable_setting(cfg))
   k = cfg.train.microbatches
 
@@ -94,7 +96,7 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
     params = optax.apply_updates(state["params"], updates)
     metrics = objectives.step_metrics(metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    if cfg.train.get("monitors", False):  # train.monitors: grad_norm/{group}, update_norm/{group}
+    if monitors:  # grad_norm/{group}, update_norm/{group}
       metrics.update(monitor_metrics(grads, updates))
     if skipped_steps(opt_state) is not None:  # optim.skip_factor: steps the spike guard did not apply
       metrics["skipped_steps"] = skipped_steps(opt_state)
