@@ -11,16 +11,16 @@ metrics fetched:
   on      train.monitors=True: at log steps the step's monitored twin (grad_norm/{group} and
           update_norm/{group}) and the probe (latent_jax/train/monitors.py), else the plain step
 
-`--control` builds `on` as a second `off` (an A/A run): its ratios show what the protocol reads
-when nothing differs. `reps` rounds, the variants' order alternated every round, so load from
-other jobs falls on both; a round's ratio compares its own runs. Reports wall and process CPU seconds per step, per round
-and the median ratio, the ratio of the variants' total times over all rounds, and the ratio of
-their fastest rounds. Rounds of log_every steps move by a few percent on this machine even
-idle, so the two parts are also measured where the loop pays them (`parts`, `--pairs`): the
-group norms, from single plain and monitored steps alternated, as the median over windows of
-log_every pairs of the monitored step's time over the plain one's; the probe, as the median of its
-calls right after a step; `estimate` = (norms_in_step + probe / step) / log_every. With the CPU
-model, versions and date (docs/performance.md, "Monitors").
+`--control` builds `on` as a second `off` (an A/A run): its ratios show what the protocol reads when
+nothing differs. `reps` rounds, the variants' order alternated every round, so load from other jobs
+falls on both; a round's ratio compares its own runs. Reports wall and process CPU seconds per step,
+per round and the median ratio, the ratio of the variants' total times over all rounds, and the
+ratio of their fastest rounds. Rounds of log_every steps move by a few percent on this machine even
+idle, so the two parts are also measured where the loop pays them (`parts`, `--pairs`): the group
+norms, from single plain and monitored steps alternated, as the median over windows of log_every
+pairs of the monitored step's time over the plain one's; the probe, as the median of its calls right
+after a step; `estimate` = (norms_in_step + probe / step) / log_every. With the CPU model, versions
+and date (docs/performance.md, "Monitors").
 """
 import datetime
 import json
@@ -105,7 +105,7 @@ def run(variant, batch, n_steps, log_every):
   names = set()
   wall, cpu = time.perf_counter(), time.process_time()
   for i in range(1, n_steps + 1):
-    state, m = compiled[i % log_every == 0](state, batch)
+    state, m = compiled[i % log_every == 0](state, batch)  # (plain, log-step) indexed by a bool
     if i % log_every == 0:
       metrics = {k: float(v) for k, v in jax.device_get(m).items()}
       if probe:
