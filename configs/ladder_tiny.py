@@ -22,6 +22,10 @@ def get_config():
   c.budgets = (2e8, 4e8)
   c.sizes = ("16x1", "24x2")
   c.sizes_per_budget = 0               # both sizes at both budgets
+  c.seeds = (0, 1)
+  c.tune.budget = 2e8
+  c.tune.sizes = ("16x1",)
+  c.tune.lr_factors = (0.5, 2.0)
   c.family.head_dim = 8
   c.rule.params = 20_000               # anchored so that the sizes train 8 rows of 32 tokens
   c.rule.batch_tokens = 256

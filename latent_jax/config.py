@@ -450,7 +450,7 @@ def is_ladder(cfg):
 
 def validate_ladder(cfg):
   """The ladder's own fields (docs/ladder.md); each point's training config is checked as the ladder builds it."""
-  for section in ("methods", "family", "rule", "train"):
+  for section in ("methods", "family", "rule", "tune", "train"):
     check(section in cfg, section, "missing section; start from configs/ladder_cpu.py.")
   check(isinstance(cfg.data, str) and cfg.data.strip() != "", "data",
         "is empty; name a token store (python -m latent_jax.prepare ... --out DIR).")
@@ -468,6 +468,9 @@ def validate_ladder(cfg):
         f"must be WIDTHxDEPTH strings, e.g. ('64x2', '96x3'), got {cfg.sizes!r}.")
   check(isinstance(cfg.sizes_per_budget, int) and cfg.sizes_per_budget >= 0, "sizes_per_budget",
         f"must be an integer >= 0 (0: every size), got {cfg.sizes_per_budget!r}.")
+  check(isinstance(cfg.max_sizes_per_budget, int) and cfg.max_sizes_per_budget >= max(cfg.sizes_per_budget, 1),
+        "max_sizes_per_budget", f"must be an integer >= sizes_per_budget ({cfg.sizes_per_budget}), "
+        f"got {cfg.max_sizes_per_budget!r}.")
   check(cfg.tokens_per_param > 0, "tokens_per_param", f"must be > 0, got {cfg.tokens_per_param!r}.")
   check(len(cfg.seeds) >= 1 and all(isinstance(s, int) for s in cfg.seeds), "seeds",
         f"must be integers, e.g. (0, 1), got {cfg.seeds!r}.")
@@ -480,7 +483,18 @@ def validate_ladder(cfg):
         f"must be three positive fractions of depth (encoder, concept, decoder), got {f.concept_split!r}.")
   for name in ("params", "batch_tokens", "lr"):
     check(r[name] > 0, f"rule.{name}", f"must be > 0, got {r[name]!r}.")
-  check(0 <= r.warmup_fraction < 1, "rule.warmup_fraction", f"must be in [0, 1), got {r.warmup_fraction!r}.")
+  check(r.warmup_tokens_per_param >= 0, "rule.warmup_tokens_per_param", f"must be >= 0, got {r.warmup_tokens_per_param!r}.")
+  check(0 < r.beta2 < 1, "rule.beta2", f"must be in (0, 1), got {r.beta2!r}.")
+  check(r.beta2_below_batch_tokens >= 0, "rule.beta2_below_batch_tokens",
+        f"must be >= 0 (0: never), got {r.beta2_below_batch_tokens!r}.")
+  tune = cfg.tune
+  check(all(s in cfg.sizes for s in tune.sizes), "tune.sizes",
+        f"{tuple(tune.sizes)!r} must be sizes of the family {tuple(cfg.sizes)!r} (or () for no tune).")
+  check(not tune.sizes or (len(tune.lr_factors) >= 2 and all(f > 0 for f in tune.lr_factors)
+                           and len(set(tune.lr_factors)) == len(tune.lr_factors)), "tune.lr_factors",
+        f"must be two or more distinct factors > 0, e.g. (0.5, 1.0, 2.0), got {tuple(tune.lr_factors)!r}.")
+  check(tune.budget > 0, "tune.budget", f"must be FLOPs > 0, got {tune.budget!r}.")
+  check(isinstance(tune.seed, int), "tune.seed", f"must be an integer, got {tune.seed!r}.")
   check(0 < t.checkpoint_fraction <= 1, "train.checkpoint_fraction", f"must be in (0, 1], got {t.checkpoint_fraction!r}.")
   check(isinstance(t.eval_batches, int) and t.eval_batches >= 0, "train.eval_batches",
         f"must be an integer >= 0 (0: the whole validation split), got {t.eval_batches!r}.")

@@ -1,13 +1,20 @@
-"""python -m latent_jax.ladder plan|run|status|fit|plot --config configs/ladder_NAME.py --workdir DIR
+"""python -m latent_jax.ladder plan|tune|run|status|fit|plot --config configs/ladder_NAME.py --workdir DIR
 
-  plan     one line per point (method, N, FLOPs/token, tokens, steps, budget), the total, a wall-time
-           estimate from one measured step per shape (--nomeasure skips it), and each point's launch line
-  run      trains the points here, one after another; --shard I/N takes every N-th point from the I-th,
-           so N jobs split a ladder with no coordinator. Resumable: a recorded point is only read
-  status   done / partial / missing, with each point's last validation loss
-  fit      IsoFLOP minima, frontiers and compute multipliers over the reference (fit.json, fit.md in
-           --out, default the ladder's results folder); --points FILE.csv fits points from anywhere
-           (columns method,flops,params,tokens,loss[,seed]) without a ladder config
+  plan     one line per point planned so far (method, N, FLOPs/token, tokens, steps, batch, lr, budget),
+           the total, a wall-time estimate from one measured step per shape (--nomeasure skips it), and
+           each point's launch line; works from recorded results without the token store (no estimate)
+  tune     trains the learning-rate sweep (tune.*) and prints each method's factor (RESULTS/tune.md)
+  run      the tune, then the ladder's points, one after another; the plan grows as results land (sizes
+           widen until each IsoFLOP minimum is bracketed). --shard I/N takes the points whose name
+           hashes to I, so N jobs split a ladder with no coordinator; --after_point CMD runs a shell
+           command after each recorded point (LADDER_POINT, LADDER_RESULT set), e.g. to commit it.
+           Resumable: a recorded point is only read
+  status   done / partial / missing, with each point's last validation loss (from recorded results and
+           the workdir; no token store needed)
+  fit      raw IsoFLOP minima with paired seed differences, then each method's pooled compute multiplier
+           over the reference, under both FLOPs conventions (fit.json, fit.md in --out, default the
+           workdir); --points FILE.csv fits points from anywhere (columns method,flops,params,tokens,loss
+           [,seed,budget,lm_head_flops]) without a ladder config
   plot     isoflop.png and frontier.png in --out (needs matplotlib: pip install -e ".[experiments]")
 
 docs/ladder.md: the FLOPs convention, N, the fits and their assumptions, launching across a cluster.
@@ -19,30 +26,36 @@ import sys
 
 from latent_jax import cli
 
-COMMANDS = ("plan", "run", "status", "fit", "plot")
+COMMANDS = ("plan", "tune", "run", "status", "fit", "plot")
 OPTIONAL_CONFIG = cli.Flag("config", cli.CONFIG.type, None, cli.CONFIG.help)
 FLAGS = {
     "plan": [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the ladder's folder: one workdir per point"),
              cli.Flag("measure", bool, True, "time one step of each shape for the wall-time estimate")],
+    "tune": [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the ladder's folder: one workdir per point"),
+             cli.Flag("shard", str, "", "I/N: train the points whose name hashes to I (0 <= I < N)")],
     "run": [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the ladder's folder: one workdir per point"),
-            cli.Flag("shard", str, "", "I/N: train every N-th point from the I-th (0 <= I < N)")],
+            cli.Flag("shard", str, "", "I/N: train the points whose name hashes to I (0 <= I < N)"),
+            cli.Flag("after_point", str, "", "a shell command run after each recorded point (LADDER_POINT, LADDER_RESULT)")],
     "status": [cli.CONFIG, cli.Flag("workdir", str, cli.REQUIRED, "the ladder's folder")],
 }
 FIT_FLAGS = [OPTIONAL_CONFIG, cli.Flag("workdir", str, "", "the ladder's folder (with --config)"),
              cli.Flag("points", str, "", "a CSV of points to fit instead of a ladder's results"),
-             cli.Flag("out", str, "", "folder for the output; default: the ladder's results folder"),
+             cli.Flag("out", str, "", "folder for the output; default: the workdir (with --points: the CSV's folder)"),
              cli.Flag("reference", str, "", "the reference method; default: the ladder's, or 'baseline'"),
              cli.Flag("bootstrap", int, 100, "bootstrap replicates for the intervals", lambda n: n >= 0, ">= 0")]
 FLAGS["fit"] = FLAGS["plot"] = FIT_FLAGS
 
 
-def ladder_points(args):
+def ladder_points(args, store_required):
+  """(points, notes) planned from the recorded results (points.ladder_points)."""
   from latent_jax.config import ConfigError, is_ladder
   from latent_jax.ladder import points
+  from latent_jax.ladder.run import results_dir
   if not is_ladder(args.config):
     raise ConfigError("--config: not a ladder config (it lists no methods and budgets); start from "
                       "configs/ladder_cpu.py.")
-  return points.ladder_points(args.config)
+  recorded = points.read_results(results_dir(args.config, args.workdir))
+  return points.ladder_points(args.config, recorded, store_required=store_required)
 
 
 def fit_inputs(args):
@@ -101,18 +114,21 @@ def main(argv=None):
         for path in plot_ladder(pts, result, out):
           print(f"wrote {path}")
       return
-    points = ladder_points(args)
+    if command in ("tune", "run"):
+      from latent_jax.ladder.run import run
+      from latent_jax.ladder.status import write_tune
+      ladder_points(args, store_required=True)  # every error of the plan before anything trains
+      left = run(args.config, args.workdir, args.shard, after=getattr(args, "after_point", ""),
+                 stages=("tune",) if command == "tune" else ("tune", "ladder"))
+      write_tune(args.config, args.workdir)
+      raise SystemExit(1 if left else 0)
+    points, notes = ladder_points(args, store_required=False)
     if command == "plan":
       from latent_jax.ladder.plan import plan
-      plan(args.config, args.workdir, points, measure=args.measure)
-    elif command == "run":
-      from latent_jax.ladder.points import shard
-      from latent_jax.ladder.run import run
-      left = run(args.config, args.workdir, shard(points, args.shard))
-      raise SystemExit(1 if left else 0)
+      plan(args.config, args.workdir, points, notes, measure=args.measure)
     else:
       from latent_jax.ladder.status import status
-      status(args.config, args.workdir, points)
+      status(args.config, args.workdir, points, notes)
 
 
 if __name__ == "__main__":

@@ -65,10 +65,15 @@ def step_times(points, workdir, log=print):
   return known
 
 
-def plan(ladder, workdir, points, measure=True, log=print):
+def plan(ladder, workdir, points, notes=(), measure=True, log=print):
   """Print the plan; returns its total FLOPs and the estimated seconds (None without measuring)."""
+  from latent_jax.data import store
+  if measure and not store.is_store(ladder.data):
+    log(f"no token store at {ladder.data}: the plan from the recorded results, without the time estimate "
+        "or the one-epoch check (docs/ladder.md makes the store)")
+    measure = False
   times = step_times(points, workdir, log) if measure else {}
-  log(f"{'point':32s} {'method':9s} {'N':>9s} {'FLOPs/token':>12s} {'tokens':>11s} {'steps':>7s} {'batch':>5s} "
+  log(f"{'point':40s} {'method':9s} {'N':>9s} {'FLOPs/token':>12s} {'tokens':>11s} {'steps':>7s} {'batch':>5s} "
       f"{'lr':>8s} {'budget':>8s} {'est.':>8s}")
   total_flops, total_s = 0.0, 0.0
   for p in points:
@@ -79,12 +84,14 @@ def plan(ladder, workdir, points, measure=True, log=print):
       total_s += seconds
       est = f"{seconds / 60:.1f} min"
     total_flops += p.flops
-    log(f"{p.name:32s} {p.method:9s} {p.params:>9,} {p.flops_per_token:>12.4g} {p.tokens:>11,} {p.steps:>7,} "
+    log(f"{p.name:40s} {p.method:9s} {p.params:>9,} {p.flops_per_token:>12.4g} {p.tokens:>11,} {p.steps:>7,} "
         f"{p.batch_size:>5} {p.lr:>8.2e} {p.budget:>8.2g} {est:>8s}")
   convention = "with the LM head" if ladder.count_lm_head else "without the LM head (NCP's C = F_tok x D)"
   estimate = f"; estimated {total_s / 3600:.2f} h on {jax.device_count()} x {jax.devices()[0].device_kind}" \
       if measure else ""
-  log(f"{len(points)} points, {total_flops:.4g} training FLOPs in all ({convention}){estimate}")
+  log(f"{len(points)} points planned so far, {total_flops:.4g} training FLOPs in all ({convention}){estimate}")
+  for n in notes:
+    log(n)
   log("launch lines (each point is an ordinary train run; docs/launch.md launches it on a pod):")
   for p in points:
     log("  " + p.launch(workdir))

@@ -1,15 +1,29 @@
-"""A ladder config -> its points: for each seed, budget, method and size, one ordinary training run.
+"""A ladder config -> its points: the learning-rate tune, then for each seed, budget, method and size, one run.
 
-A point's config is its method's recipe with overrides laid over it (the size, the batch and the
-learning rate from the rule, the steps its budget buys, the data store), so it is launched with the
-train command like any run (`Point.launch`). Everything is checked here, before anything compiles:
-a size that does not fit a recipe, a budget too small for one step, or a plan that would read more
-tokens than the store holds (no point sees a token twice) is one ConfigError naming the setting.
+A point's config is its method's recipe with overrides laid over it (the size; batch, learning rate,
+warmup and Adam's beta2 from the rule; the steps its budget buys; the data store), so it is launched with
+the train command like any run (`Point.launch`). The rule is keyed on the reference method's N at the
+point's size, so every method trains a size with the same batch, warmup and base learning rate; each
+method's learning rate is then scaled by the factor its tune found (`ladder tune`, docs/ladder.md).
+
+Which sizes a method trains at a budget is chosen per method: first the `sizes_per_budget` whose tokens
+per parameter (the method's own N) lie nearest `tokens_per_param`; then, while the lowest seed-mean loss
+recorded so far sits at an edge of those sizes, the next size on that side, up to `max_sizes_per_budget`,
+so that each IsoFLOP minimum ends with a size on either side. The plan therefore grows as results land
+(from the recorded results only, so every machine that has them plans the same points).
+
+Everything is checked here, before anything compiles: a size that does not fit a recipe, a budget too
+small for one step, or a plan that would read more tokens than the store holds (no point sees a token
+twice) is one ConfigError naming the setting.
 """
 import dataclasses
+import functools
+import glob
+import json
 import math
 import os
 import re
+import zlib
 
 import jax
 import numpy as np
@@ -29,7 +43,8 @@ class TooFewSteps(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Point:
-  name: str               # METHOD_BUDGET_SIZE_sSEED, its workdir's and its result file's name
+  name: str               # METHOD_BUDGET_SIZE_sSEED (tune: tune_METHOD_BUDGET_SIZE_lrFACTOR_sSEED)
+  stage: str              # "tune" (the learning-rate sweep) or "ladder"
   method: str
   budget: float           # the planned training FLOPs
   size: str               # WIDTHxDEPTH of the family
@@ -37,12 +52,16 @@ class Point:
   recipe: str             # the method's config file ...
   overrides: tuple        # ... and the "a.b=v" overrides that make this point's config of it
   params: int             # N: non-embedding parameters of the model (training-only heads excluded)
+  reference_params: int   # the reference method's N at this size: the rule's key
   flops_per_token: float  # training FLOPs per data token, under the ladder's convention
   tokens: int             # data tokens the point reads
   steps: int
   batch_size: int         # rows of seq_len tokens
+  warmup_steps: int
   lr: float
+  lr_factor: float        # lr over the rule's: the tune's factor for the method (or the swept factor)
   flops: float            # tokens x flops_per_token: the budget, to within one step
+  lm_head_flops: float    # the LM head's share of the run's training FLOPs (both conventions from one point)
 
   def launch(self, workdir):
     """The train command that runs this point in WORKDIR/NAME."""
@@ -84,38 +103,57 @@ def size_overrides(size, family, model_name):
   return out
 
 
+@functools.lru_cache(maxsize=None)
+def _config(recipe, overrides):
+  return load_config(recipe, overrides)
+
+
 def non_embedding_params(cfg):
   """N of the inference model (cfg.model): every parameter but the token embedding and the LM head."""
   _, params = abstract_model(cfg.model)
   return sum(int(np.prod(x.shape)) for k, v in params.items() if k not in EMBEDDINGS for x in jax.tree.leaves(v))
 
 
-def counted_flops(cfg, count_lm_head):
-  """(training FLOPs, data tokens) of the whole run, over its phases (TST's bagged phase 1 included);
-  without the LM head's matmul (forward + backward: 6 d V per position) when count_lm_head is False."""
-  total, tokens = 0.0, 0
+@functools.lru_cache(maxsize=None)
+def _non_embedding_params(recipe, overrides):
+  return non_embedding_params(_config(recipe, overrides))
+
+
+def counted_flops(cfg):
+  """(training FLOPs with the LM head, the LM head's share, data tokens) of the whole run, over its phases
+  (TST's bagged phase 1 included). The head's share is its matmul, forward + backward, 6 d V per position
+  it scores (MTP scores each position twice)."""
+  from latent_jax.config import mtp_enabled
+  total, head, tokens = 0.0, 0.0, 0
+  uses = 2 if mtp_enabled(cfg) else 1
   for p in phases.plan(cfg):
-    per_step = p.flops_per_step
-    if not count_lm_head:
-      per_step -= 6 * cfg.model.d_model * cfg.model.vocab_size * cfg.data.batch_size * p.positions
-    total += (p.end - p.start) * per_step
+    steps = p.end - p.start
+    total += steps * p.flops_per_step
+    head += steps * uses * 6 * cfg.model.d_model * cfg.model.vocab_size * cfg.data.batch_size * p.positions
     tokens = p.tokens_at(p.end)
-  return total, tokens
+  return total, head, tokens
 
 
 def rule(ladder, params):
-  """(rows per batch, lr) for N = params: batch tokens ~ N^batch_exponent (rows a power of two), lr ~ N^lr_exponent."""
+  """(rows per batch, base lr) for N = params: batch tokens ~ N^batch_exponent (rows a power of two), lr ~ N^lr_exponent."""
   r = ladder.rule
   batch_tokens = r.batch_tokens * (params / r.params) ** r.batch_exponent
   rows = 2 ** max(0, round(math.log2(batch_tokens / ladder.seq_len)))
   return rows, r.lr * (params / r.params) ** r.lr_exponent
 
 
-def store_data(path):
-  """(training tokens, the data.* overrides that read the ladder's token store as it was prepared)."""
+def store_data(ladder, required=True):
+  """(training tokens, the data.* overrides that read the ladder's token store as it was prepared).
+
+  Without the store and not `required` (plan, status): (None, data.source only); nothing that names a
+  point or counts its FLOPs depends on the rest."""
+  path = ladder.data
   if not store.is_store(path):
-    raise ConfigError(f"data: {path!r} is not a token store; make one with python -m latent_jax.prepare "
-                      f"--config configs/tiny.py --config.data.source=TEXT --out {path} (docs/ladder.md).")
+    if not required:
+      return None, [f"data.source={path}"]
+    recipe = ladder.get("data_recipe") or (f"python -m latent_jax.prepare --config configs/tiny.py "
+                                           f"--config.data.source=TEXT --out {path}")
+    raise ConfigError(f"data: {path!r} is not a token store; make it with: {recipe} (docs/ladder.md).")
   manifest, _ = store.open_store(path)
   data = [f"data.source={path}", f"data.val_fraction={manifest['val_fraction']}"]
   if manifest["doc_separator"]:
@@ -123,82 +161,185 @@ def store_data(path):
   return manifest["splits"]["train"]["tokens"], data
 
 
-def make_point(ladder, name, budget, size, seed, train_tokens, data):
-  """One point: the recipe at `size`, trained for the steps that spend `budget`."""
+def _sized(ladder, name, size, seed, data):
+  """(recipe, the overrides of the method at `size`, its N)."""
   m = ladder.methods[name]
-  recipe = m.recipe
-  base = list(m.overrides) + data + [f"data.seq_len={ladder.seq_len}", f"train.seed={seed}"]
+  base = list(m.overrides) + data + [f"data.seq_len={ladder.seq_len}", f"train.seed={seed}", "train.monitors=False"]
   try:
-    model_name = load_config(recipe, base).model.name
+    model_name = _config(m.recipe, tuple(base)).model.name
   except ConfigError as e:
     raise ConfigError(f"methods.{name}: {e}") from None
-  sized = base + size_overrides(size, ladder.family, model_name)
+  sized = tuple(base + size_overrides(size, ladder.family, model_name))
   try:
-    cfg = load_config(recipe, sized)
+    return m.recipe, sized, _non_embedding_params(m.recipe, sized)
   except ConfigError as e:
-    raise ConfigError(f"sizes: {size!r} does not fit method {name!r} ({recipe}): {e}") from None
-  params = non_embedding_params(cfg)
-  rows, lr = rule(ladder, params)
+    raise ConfigError(f"sizes: {size!r} does not fit method {name!r} ({m.recipe}): {e}") from None
+
+
+def make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=1.0, stage="ladder"):
+  """One point: the recipe at `size`, trained for the steps that spend `budget`, with the rule's settings
+  for the reference's N at that size and the method's lr scaled by `lr_factor`."""
+  recipe, sized, params = _sized(ladder, name, size, seed, data)
+  reference_params = _sized(ladder, ladder.reference, size, seed, data)[2]
+  rows, base_lr = rule(ladder, reference_params)
+  lr = float(f"{base_lr * lr_factor:.4g}")
+  batch_tokens = rows * ladder.seq_len
   # FLOPs per step, averaged over the phases, from a long trial run: then the steps the budget buys.
-  trial = load_config(recipe, sized + [f"data.batch_size={rows}", "train.steps=1000"])
-  steps = round(budget / (counted_flops(trial, ladder.count_lm_head)[0] / 1000))
+  trial = _config(recipe, sized + (f"data.batch_size={rows}", "train.steps=1000"))
+  total, head, _ = counted_flops(trial)
+  per_step = (total if ladder.count_lm_head else total - head) / 1000
+  steps = round(budget / per_step)
   if steps < 1 or ("tst" in trial and trial.tst.enabled and steps < 4):
     raise TooFewSteps(f"budgets: {budget:.3g} FLOPs buys {name} at {size} {steps} steps of {rows} x {ladder.seq_len} "
                       "tokens, too few to train; raise the budget or use smaller sizes.")
-  warmup = max(1, round(ladder.rule.warmup_fraction * steps))
+  # Warmup in tokens proportional to N (the reference's at this size), as OLMo-core's ladder; at least one step.
+  warmup = min(max(1, round(ladder.rule.warmup_tokens_per_param * reference_params / batch_tokens)), max(1, steps - 1))
   checkpoint_every = max(1, round(ladder.train.checkpoint_fraction * steps))
-  overrides = tuple(sized + [
-      f"data.batch_size={rows}", f"optim.lr={lr:.6g}", f"optim.warmup_steps={min(warmup, steps - 1) or 1}",
+  extra = [f"optim.b2={ladder.rule.beta2}"] if batch_tokens < ladder.rule.beta2_below_batch_tokens else []
+  overrides = sized + tuple([
+      f"data.batch_size={rows}", f"optim.lr={lr:.6g}", f"optim.warmup_steps={warmup}", *extra,
       f"train.steps={steps}", f"train.eval_every={steps}", f"train.eval_batches={ladder.train.eval_batches}",
       f"train.log_every={min(ladder.train.log_every, steps)}", f"train.checkpoint_every={checkpoint_every}"])
   try:
-    cfg = load_config(recipe, overrides)
+    cfg = _config(recipe, overrides)
   except ConfigError as e:
     raise ConfigError(f"point {name} {budget_name(budget)} {size}: {e}") from None
-  flops, tokens = counted_flops(cfg, ladder.count_lm_head)
-  if tokens > train_tokens:
+  total, head, tokens = counted_flops(cfg)
+  flops = total if ladder.count_lm_head else total - head
+  if train_tokens is not None and tokens > train_tokens:
     raise ConfigError(f"budgets: {name} at {size} with {budget:.3g} FLOPs reads {tokens:,} tokens, {tokens / train_tokens:.2f}x "
                       f"the {train_tokens:,} training tokens of {ladder.data}: it would see tokens twice. Lower the "
                       "budget, drop the smallest sizes, or prepare a larger corpus (docs/ladder.md).")
-  return Point(f"{name}_{budget_name(budget)}_{size}_s{seed}", name, float(budget), size, int(seed), recipe, overrides,
-               params, flops / tokens, tokens, steps, rows, lr, flops)
+  base_name = f"{name}_{budget_name(budget)}_{size}"
+  point_name = f"tune_{base_name}_lr{lr_factor:g}_s{seed}" if stage == "tune" else f"{base_name}_s{seed}"
+  return Point(point_name, stage, name, float(budget), size, int(seed), recipe, overrides, params, reference_params,
+               flops / tokens, tokens, steps, rows, warmup, lr, float(lr_factor), flops, head)
 
 
-def pick_sizes(ladder, budget, seed, data):
-  """The sizes every method trains at `budget`: the sizes_per_budget whose tokens per parameter D/N,
-  for the reference method, lie nearest tokens_per_param (log scale). One set of sizes for all methods
-  pairs their points size by size (the paired bootstrap of fit.py)."""
-  candidates = []
+# ----------------------------------------------------------------------------- results
+
+def read_results(results_dir):
+  """{point name: its recorded result} of a ladder's results folder (points/ and tune/)."""
+  out = {}
+  for path in sorted(glob.glob(os.path.join(results_dir, "points", "*.json")) +
+                     glob.glob(os.path.join(results_dir, "tune", "*.json"))):
+    with open(path) as f:
+      result = json.load(f)
+    out[result["name"]] = result
+  return out
+
+
+def _loss(result):
+  """A recorded point's validation loss; inf when it diverged; None when it is not recorded."""
+  if not result:
+    return None
+  return result["val_loss"] if result.get("status") == "done" else math.inf
+
+
+# ----------------------------------------------------------------------------- the tune
+
+def tune_points(ladder, data, train_tokens=None):
+  """The learning-rate sweep: each method at each of tune.sizes, tune.budget, every factor of tune.lr_factors."""
+  t = ladder.tune
+  return [make_point(ladder, name, t.budget, size, t.seed, train_tokens, data, lr_factor=f, stage="tune")
+          for name in ladder.methods for size in t.sizes for f in t.lr_factors]
+
+
+def lr_factors(ladder, points, recorded):
+  """{method: the tune's lr factor} once every tune point of a method is recorded, else that method is
+  missing (no tune: every factor 1). The analysis itself is latent_jax/ladder/tune.py (numpy only)."""
+  from latent_jax.ladder.tune import tune_summary
+  if not ladder.tune.sizes:
+    return {name: 1.0 for name in ladder.methods}
+  rows = [{"method": p.method, "size": p.size, "factor": p.lr_factor, "loss": _loss(recorded.get(p.name))}
+          for p in points]
+  summary = tune_summary(rows)
+  return {m: s["factor"] for m, s in summary.items() if s["complete"]}
+
+
+# ----------------------------------------------------------------------------- sizes per method and budget
+
+def candidates(ladder, name, budget, seed, data):
+  """{size: point} of every size of the family that the budget buys a few steps of (lr factor 1)."""
+  out = {}
   for size in ladder.sizes:
     try:
-      candidates.append(make_point(ladder, ladder.reference, budget, size, seed, float("inf"), data))
+      out[size] = make_point(ladder, name, budget, size, seed, None, data)
     except TooFewSteps:
-      pass  # a smaller size may do; none at all is refused below
-  k = ladder.sizes_per_budget or len(ladder.sizes)
-  chosen = sorted(candidates, key=lambda p: abs(math.log(p.tokens / p.params / ladder.tokens_per_param)))[:k]
-  if len(chosen) < min(k, len(ladder.sizes)):
-    raise ConfigError(f"budgets: {budget:.3g} FLOPs is too small: only {len(chosen)} of the sizes {list(ladder.sizes)} "
-                      f"get a few steps of {ladder.reference}; raise the budget or add smaller sizes.")
-  return [p.size for p in sorted(chosen, key=lambda p: p.params)]
+      pass
+  return out
 
 
-def ladder_points(ladder):
-  """Every point of the ladder, in the order `run` trains them: seed, budget (ascending), size, method."""
-  train_tokens, data = store_data(ladder.data)
-  points = []
+def window(ladder, name, budget, seeds, recorded, data):
+  """The sizes `name` trains at `budget`: the initial ones nearest tokens_per_param (its own N), widened
+  one size at a time towards the side where the lowest seed-mean loss recorded so far sits, while that
+  size is at an edge, its lowest seed is recorded at every size, and fewer than max_sizes_per_budget are
+  chosen. Returns (sizes in family order, the note on an edge that cannot be widened, or "")."""
+  by_size = candidates(ladder, name, budget, seeds[0], data)
+  family = [s for s in ladder.sizes if s in by_size]
+  k = ladder.sizes_per_budget or len(family)
+  if len(by_size) < min(k, len(ladder.sizes)):
+    raise ConfigError(f"budgets: {budget:.3g} FLOPs is too small: only {len(by_size)} of the sizes {list(ladder.sizes)} "
+                      f"get a few steps of {name}; raise the budget or add smaller sizes.")
+  first = sorted(family, key=lambda s: abs(math.log(by_size[s].tokens / by_size[s].params / ladder.tokens_per_param)))[:k]
+  lo, hi = min(family.index(s) for s in first), max(family.index(s) for s in first)
+  prefix = f"{name}_{budget_name(budget)}_"
+  while True:
+    sizes = family[lo:hi + 1]
+    if any(_loss(recorded.get(f"{prefix}{s}_s{seeds[0]}")) is None for s in sizes):
+      return sizes, ""
+    means = [np.mean([x for x in (_loss(recorded.get(f"{prefix}{s}_s{seed}")) for seed in seeds) if x is not None])
+             for s in sizes]
+    best = int(np.argmin(means))
+    if 0 < best < len(sizes) - 1:
+      return sizes, ""
+    side = "smallest" if best == 0 else "largest"
+    if len(sizes) >= ladder.max_sizes_per_budget:
+      return sizes, f"{side} size of {ladder.max_sizes_per_budget} (max_sizes_per_budget)"
+    if best == 0 and lo > 0:
+      lo -= 1
+    elif best == len(sizes) - 1 and hi < len(family) - 1:
+      hi += 1
+    else:
+      return sizes, f"{side} size the budget buys of the family"
+
+
+def ladder_points(ladder, recorded=None, store_required=True):
+  """(points, notes): the tune's points, then every ladder point the recorded results decide so far, in the
+  order `run` trains them: tune, then seed, budget (ascending), method, size. Ladder points wait for their
+  method's tune; a method's sizes may widen as its results land (`window`). notes: lines on what is not
+  yet planned or cannot be bracketed."""
+  recorded = recorded or {}
+  train_tokens, data = store_data(ladder, required=store_required)
+  tune = tune_points(ladder, data, train_tokens) if ladder.tune.sizes else []
+  factors = lr_factors(ladder, tune, recorded)
+  points, notes = list(tune), []
+  waiting = [name for name in ladder.methods if name not in factors]
+  if waiting:
+    notes.append(f"the ladder's points of {', '.join(waiting)} wait for their tune points")
+  windows = {}
+  for budget in sorted(ladder.budgets):
+    for name in ladder.methods:
+      if name in factors:
+        sizes, edge = window(ladder, name, budget, list(ladder.seeds), recorded, data)
+        windows[budget, name] = sizes
+        if edge:
+          notes.append(f"{name} at {budget:.3g}: the lowest loss is at the {edge}; its minimum is not bracketed")
   for seed in ladder.seeds:
     for budget in sorted(ladder.budgets):
-      for size in pick_sizes(ladder, budget, seed, data):
-        points += [make_point(ladder, name, budget, size, seed, train_tokens, data) for name in ladder.methods]
-  return points
+      for name in ladder.methods:
+        points += [make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=factors[name])
+                   for size in windows.get((budget, name), [])]
+  return points, notes
 
 
 def shard(points, spec):
-  """--shard I/N: every N-th point from the I-th (0 <= I < N), so N jobs split a ladder with no coordinator."""
+  """--shard I/N: the points whose name hashes to I mod N, so N jobs split a ladder with no coordinator
+  (by name, not position: the plan grows as results land, and a point stays in its shard)."""
   if not spec:
     return points
   match = re.match(r"^(\d+)/(\d+)$", spec)
   if not match or not 0 <= int(match[1]) < int(match[2]):
     raise ConfigError(f"--shard {spec!r}: give I/N with 0 <= I < N, e.g. --shard 0/4 (the first of 4 jobs).")
   i, n = int(match[1]), int(match[2])
-  return points[i::n]
+  return [p for p in points if zlib.crc32(p.name.encode()) % n == i]

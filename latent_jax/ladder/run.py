@@ -1,10 +1,12 @@
 """ladder run: train the points here, one after another, each with the train command in its own process.
 
-A point whose result is recorded (RESULTS/points/NAME.json) is only read; a point whose workdir
-holds a finished run is recorded from it; a partial workdir resumes (train's own resume). A point
-that stops on a signal stops the ladder (run it again to go on); one that diverges (a non-finite
-loss) is recorded as such and the ladder goes on. Results are small JSON files meant to be committed,
-so that a ladder stopped on one machine goes on on another from what was committed.
+The plan is read again after every point, since it grows as results land (the tune's factors set the
+ladder's learning rates; a minimum at an edge widens its sizes). A point whose result is recorded
+(RESULTS/points/NAME.json, RESULTS/tune/NAME.json) is only read; a point whose workdir holds a finished
+run is recorded from it; a partial workdir resumes (train's own resume). A point that stops on a signal
+stops the ladder (run it again to go on); one that diverges (a non-finite loss) is recorded as such and
+the ladder goes on. Results are small JSON files meant to be committed, so that a ladder stopped on one
+machine goes on on another from what was committed (`--after_point` can commit each as it lands).
 """
 import datetime
 import json
@@ -17,8 +19,11 @@ import time
 import jax
 
 from latent_jax import paths
+from latent_jax.ladder.points import ladder_points, read_results, shard
 from latent_jax.train import flops
 from latent_jax.train.metrics import read_metrics
+
+POLL_SECONDS = 60  # a shard with nothing to train waits this long for the others' results
 
 
 def results_dir(ladder, workdir):
@@ -26,7 +31,8 @@ def results_dir(ladder, workdir):
 
 
 def result_path(ladder, workdir, point):
-  return os.path.join(results_dir(ladder, workdir), "points", point.name + ".json")
+  folder = "tune" if point.stage == "tune" else "points"
+  return os.path.join(results_dir(ladder, workdir), folder, point.name + ".json")
 
 
 def read_result(ladder, workdir, point):
@@ -78,32 +84,65 @@ def train_point(point, workdir):
       signal.signal(s, handler)
 
 
-def run(ladder, workdir, points, log=print):
-  """Train every point not yet recorded; returns the number left unfinished (0: all recorded)."""
-  for i, point in enumerate(points):
-    prefix = f"[{i + 1}/{len(points)}] {point.name}"
-    result = read_result(ladder, workdir, point)
-    if result:
-      log(f"{prefix}: recorded ({result['status']}, val_loss {result['val_loss']})")
+def after_point(command, ladder, workdir, point, log):
+  """Run --after_point's shell command with LADDER_POINT and LADDER_RESULT set; a failure is reported, not fatal."""
+  if not command:
+    return
+  env = {**os.environ, "LADDER_POINT": point.name, "LADDER_RESULT": result_path(ladder, workdir, point)}
+  code = subprocess.run(command, shell=True, env=env).returncode
+  if code:
+    log(f"--after_point exited with {code} for {point.name}")
+
+
+def run_point(ladder, workdir, point, prefix, log):
+  """Record or train one unrecorded point; False when it stopped before its last step."""
+  row = finished_metrics(workdir, point)
+  if row:
+    record(ladder, workdir, point, row, seconds=0.0)
+    log(f"{prefix}: finished in {os.path.join(workdir, point.name)}, recorded (val_loss {row['val_loss']:.4f})")
+    return True
+  log(f"{prefix}: training {point.steps} steps of {point.batch_size} x {point.tokens // point.steps // point.batch_size} "
+      f"tokens ({point.flops:.3g} FLOPs, lr {point.lr:.3g})")
+  start = time.perf_counter()
+  code, last = train_point(point, workdir)
+  seconds = time.perf_counter() - start
+  row = finished_metrics(workdir, point)
+  if row:
+    record(ladder, workdir, point, row, seconds)
+    log(f"{prefix}: val_loss {row['val_loss']:.4f} in {seconds / 60:.1f} min -> {result_path(ladder, workdir, point)}")
+  elif code == 2 and "non-finite" in last:
+    record(ladder, workdir, point, {}, seconds, status="diverged")
+    log(f"{prefix}: diverged ({last}); recorded, going on")
+  else:
+    log(f"{prefix}: stopped before its last step (exit code {code}); run the ladder again to resume it")
+    return False
+  return True
+
+
+def run(ladder, workdir, spec="", after="", stages=("tune", "ladder"), log=print, poll=POLL_SECONDS):
+  """Train every point of this shard (--shard spec) of the given stages not yet recorded, re-planning after
+  each; returns the number left unfinished (0: all recorded)."""
+  reported = set()
+  while True:
+    recorded = read_results(results_dir(ladder, workdir))
+    points, notes = ladder_points(ladder, recorded)
+    mine = [p for p in shard(points, spec) if p.stage in stages]
+    for p in mine:
+      if p.name in recorded and p.name not in reported:
+        log(f"{p.name}: recorded ({recorded[p.name]['status']}, val_loss {recorded[p.name]['val_loss']})")
+    reported.update(recorded)
+    left = [p for p in mine if p.name not in recorded]
+    if left:
+      point = left[0]
+      if not run_point(ladder, workdir, point, f"[{len(mine) - len(left) + 1}/{len(mine)}] {point.name}", log):
+        return len(left)
+      after_point(after, ladder, workdir, point, log)
       continue
-    row = finished_metrics(workdir, point)
-    if row:
-      record(ladder, workdir, point, row, seconds=0.0)
-      log(f"{prefix}: finished in {os.path.join(workdir, point.name)}, recorded (val_loss {row['val_loss']:.4f})")
-      continue
-    log(f"{prefix}: training {point.steps} steps of {point.batch_size} x {point.tokens // point.steps // point.batch_size} "
-        f"tokens ({point.flops:.3g} FLOPs)")
-    start = time.perf_counter()
-    code, last = train_point(point, workdir)
-    seconds = time.perf_counter() - start
-    row = finished_metrics(workdir, point)
-    if row:
-      record(ladder, workdir, point, row, seconds)
-      log(f"{prefix}: val_loss {row['val_loss']:.4f} in {seconds / 60:.1f} min -> {result_path(ladder, workdir, point)}")
-    elif code == 2 and "non-finite" in last:
-      record(ladder, workdir, point, {}, seconds, status="diverged")
-      log(f"{prefix}: diverged ({last}); recorded, going on")
-    else:
-      log(f"{prefix}: stopped before its last step (exit code {code}); run the ladder again to resume it")
-      return len(points) - i
-  return 0
+    others = [p for p in points if p.name not in recorded and p.stage in stages]
+    waiting = [n for n in notes if "wait" in n] if "ladder" in stages else []
+    if not others and not waiting:
+      for n in notes:
+        log(n)
+      return 0
+    log(f"this shard's points are recorded; waiting {poll} s for other shards' ({len(others)} left)")
+    time.sleep(poll)
