@@ -39,6 +39,23 @@ def get_config():
   c.model.allow_bf16_params = False    # True: param_dtype=bfloat16 is meant, no float32 master (small updates round away)
   c.model.remat = "none"               # none | full (recompute each block) | matmuls (keep matmul outputs)
   c.model.scan_unroll = 1              # layers per iteration of the layer scan (num_layers: unrolled, slower to compile)
+  # Mixture of experts (docs/moe.md; configs/tiny_moe.py turns it on): the MLP of the sparse layers becomes
+  # num_experts SwiGLU experts of width expert_dim, each token through top_k of them (+ shared experts).
+  c.model.moe = ml_collections.ConfigDict()
+  c.model.moe.enabled = False
+  c.model.moe.num_experts = 8          # E routed experts
+  c.model.moe.top_k = 2                # k experts per token
+  c.model.moe.expert_dim = 192         # f: each expert's SwiGLU hidden width
+  c.model.moe.shared_experts = 0       # always-on experts of width expert_dim (DeepSeek-V3: 1), one fused MLP
+  c.model.moe.every = 1                # layer i is sparse when i >= first_dense and (i - first_dense) % every == 0
+  c.model.moe.first_dense = 0          # the first layers keep a dense MLP (DeepSeek-V3: 3)
+  c.model.moe.router = "softmax"       # softmax (OLMoE, FlexOlmo) | sigmoid (DeepSeek-V3, with aux-loss-free bias)
+  c.model.moe.norm_topk_prob = False   # softmax: renormalise the k chosen probabilities to sum 1 (OLMoE: False)
+  c.model.moe.capacity_factor = 0.0    # 0 = dropless; > 0: an expert takes ceil(cf * tokens * k / E) rows, drops the rest
+  c.model.moe.lb_loss_weight = 0.01    # load-balance loss E * sum_e f_e P_e (OLMoE: 0.01), logged as moe_lb_loss
+  c.model.moe.z_loss_weight = 0.001    # router z-loss mean(logsumexp^2) (OLMoE: 0.001), logged as router_z_loss
+  c.model.moe.bias_update_rate = 0.001 # sigmoid router: aux-loss-free bias step per train step (DeepSeek-V3: 0.001)
+  c.model.moe.impl = "auto"            # grouped matmul: auto (tiled on CPU, ragged_dot elsewhere) | ragged | tiled
 
   c.data = ml_collections.ConfigDict()
   c.data.source = "kjv"                # kjv | shakespeare | .txt/.jsonl(.gz)/.parquet files, folders, globs | a token store

@@ -153,6 +153,7 @@ def validate(cfg):
   check(m.full_attention_every >= 1, "model.full_attention_every", "must be >= 1 (1 = every layer full).")
   check(m.rope_base > 0 and m.norm_eps > 0 and m.init_std > 0, "model.rope_base/norm_eps/init_std", "must be > 0.")
   validate_rope_scaling(m)
+  validate_moe(cfg)
 
   check(d.seq_len >= 2, "data.seq_len", f"must be >= 2, got {d.seq_len}.")
   check(d.batch_size >= 1, "data.batch_size", f"must be >= 1, got {d.batch_size}.")
@@ -322,6 +323,49 @@ def validate_aux(cfg):
     check(cfg.mtp.weight >= 0, "mtp.weight", f"the loss weight must be >= 0, got {cfg.mtp.weight}.")
     check(cfg.data.seq_len >= 3, "data.seq_len", f"{cfg.data.seq_len} is too short for MTP, which predicts "
           "token t+2; use at least 3.")
+
+
+def moe_enabled(model_cfg):
+  """Whether the model section turns on mixture of experts (`model.moe`; configs saved before it: off)."""
+  return "moe" in model_cfg and bool(model_cfg.moe.enabled)
+
+
+MOE_FIELDS = ("num_experts", "top_k", "expert_dim", "shared_experts", "every", "first_dense", "router",
+              "norm_topk_prob", "capacity_factor", "lb_loss_weight", "z_loss_weight", "bias_update_rate", "impl")
+
+
+def validate_moe(cfg):
+  """`model.moe` (configs/tiny.py, docs/moe.md); checked only when enabled."""
+  m = cfg.model
+  if not moe_enabled(m):
+    return
+  e = m.moe
+  for f in MOE_FIELDS:
+    check(f in e, f"model.moe.{f}", "missing; start from configs/tiny_moe.py.")
+  for f in ("num_experts", "top_k", "expert_dim", "every"):
+    check(isinstance(e[f], int) and e[f] > 0, f"model.moe.{f}", f"must be a positive integer, got {e[f]!r}.")
+  check(e.top_k <= e.num_experts, "model.moe.top_k",
+        f"{e.top_k} is above model.moe.num_experts={e.num_experts}; choose at most {e.num_experts}.")
+  check(isinstance(e.shared_experts, int) and e.shared_experts >= 0, "model.moe.shared_experts",
+        f"must be an integer >= 0 (0 = none), got {e.shared_experts!r}.")
+  depth = m.num_layers if m.name != "concept" else min(m.encoder_layers, m.concept_layers, m.decoder_layers)
+  check(isinstance(e.first_dense, int) and 0 <= e.first_dense < depth, "model.moe.first_dense",
+        f"{e.first_dense!r} must lie in [0, {depth}) so that at least one layer is sparse; lower it.")
+  check(e.every <= depth - e.first_dense, "model.moe.every",
+        f"{e.every} is above the {depth - e.first_dense} layers after model.moe.first_dense; use 1..{depth - e.first_dense}.")
+  if m.name == "concept":
+    check(e.every == 1 and e.first_dense == 0, "model.moe.every/first_dense",
+          "ConceptLM makes every layer of each module sparse; set model.moe.every=1 and model.moe.first_dense=0.")
+    check(not (m.irc and m.remat != "none"), "model.moe",
+          f"ConceptLM with IRC recomputes its layers in a custom backward pass (model.remat={m.remat!r}) that does "
+          "not carry the router losses yet; set model.remat=none or model.irc=False.")
+  check_choice(e.router, "model.moe.router", ("softmax", "sigmoid"))
+  check(isinstance(e.norm_topk_prob, bool), "model.moe.norm_topk_prob", f"must be True or False, got {e.norm_topk_prob!r}.")
+  check(e.capacity_factor >= 0, "model.moe.capacity_factor",
+        f"must be 0 (dropless) or > 0 (rows per expert = cf * tokens * top_k / num_experts), got {e.capacity_factor}.")
+  for f in ("lb_loss_weight", "z_loss_weight", "bias_update_rate"):
+    check(e[f] >= 0, f"model.moe.{f}", f"must be >= 0 (0 = off), got {e[f]}.")
+  check_choice(e.impl, "model.moe.impl", ("auto", "ragged", "tiled"))
 
 
 def validate_rope_scaling(m):

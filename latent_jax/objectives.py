@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 import pallas_kernels
-from latent_jax.config import mtp_enabled, nitp_enabled
+from latent_jax.config import moe_enabled, mtp_enabled, nitp_enabled
 from latent_jax import sharding
 from latent_jax.ops import auxiliary as A
 from latent_jax.ops import concepts as C
@@ -57,7 +57,7 @@ def combine(terms, counts=None):
 def step_metrics(metrics):
   """What a train step logs of an objective's metrics (summed over microbatches): the counts dropped,
   the code histogram turned into codebook usage."""
-  metrics = {k: v for k, v in metrics.items() if k != "counts"}
+  metrics = {k: v for k, v in metrics.items() if k not in ("counts", "moe_bias_probe")}
   if "code_histogram" in metrics:
     metrics.update(C.codebook_usage(metrics.pop("code_histogram")))
   return metrics
@@ -92,6 +92,24 @@ def auxiliary_terms(model, out, batch, cfg, mtp=True):
     labels = A.mtp_targets(batch["targets"], batch["segment_ids"])
     ce, _ = token_cross_entropy(hidden, model.head_weight().astype(hidden.dtype), labels, cfg.kernels.impl)
     terms["mtp_loss"] = term(ce, labels >= 0, cfg.mtp.weight)
+  return {**terms, **moe_terms(out, cfg)}
+
+
+def moe_terms(out, cfg):
+  """The router's terms of a forward pass (model.moe, docs/moe.md), each the mean over the sparse layers of a
+  per-call figure, weighted by the tokens of the call: `moe_lb_loss`, `router_z_loss`; `moe_dropped` (weight
+  0) with a capacity; and `moe_bias_probe` (sigmoid router: value 0, its gradient on each layer's
+  router_bias is that layer's expert load, which the train step turns into the bias update)."""
+  if not moe_enabled(cfg.model) or "moe" not in out.aux:
+    return {}
+  e, stats = cfg.model.moe, out.aux["moe"]
+  n = jnp.float32(out.hidden.shape[0] * out.hidden.shape[1])
+  mean = lambda name: (jnp.mean(stats[name]) * n, n)
+  terms = {"moe_lb_loss": (*mean("lb_loss"), e.lb_loss_weight), "router_z_loss": (*mean("z_loss"), e.z_loss_weight)}
+  if e.capacity_factor > 0:
+    terms["moe_dropped"] = (*mean("dropped"), 0.0)
+  if e.router == "sigmoid":
+    terms["moe_bias_probe"] = (*mean("bias_probe"), 1.0)
   return terms
 
 

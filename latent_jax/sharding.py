@@ -32,6 +32,7 @@ RULES = {
     "length": None,
     "head_dim": None,
     "lora": None,  # a LoRA factor's rank dim (nn/lora.py): small, replicated
+    "expert": None,  # model.moe's expert dim: replicated for now (expert parallelism, an `expert` mesh axis: to come)
 }
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from latent_jax.nn.layers import BlockStack, RMSNorm, embed_lookup, param
+from latent_jax.nn.layers import BlockStack, RMSNorm, embed_lookup, param, pop_moe_stats
 
 
 @jax.tree_util.register_dataclass
@@ -15,7 +15,8 @@ class ModelOutput:
   hidden: jax.Array                 # [B, T, d] final-norm hidden states (the LM head's input)
   logits: jax.Array | None = None   # [B, T, vocab], when asked for
   # Extra tensors for objectives: "pre_norm" (the state before the final norm), "nitp_target_state"
-  # (the state after layer nitp_layer, when set), and ConceptLM's concept tensors.
+  # (the state after layer nitp_layer, when set), ConceptLM's concept tensors, and "moe" (model.moe:
+  # the sparse layers' routing statistics, nn.layers.SparseMLP).
   aux: dict[str, Any] = dataclasses.field(default_factory=dict)
   cache: Any = None                 # updated KV cache when decoding
 
@@ -62,6 +63,9 @@ class BaselineLM(nnx.Module):
     h = self.final_norm(x)
     out_logits = h @ self.head_weight().astype(self.dtype) if logits else None
     aux = {"pre_norm": x} if shallow is None else {"pre_norm": x, "nitp_target_state": shallow}
+    moe = pop_moe_stats(self.blocks)
+    if moe:  # model.moe: the sparse layers' routing statistics, {name: [sparse layers, ...]}
+      aux["moe"] = moe
     return ModelOutput(hidden=h, logits=out_logits, aux=aux, cache=cache)
 
   def init_cache(self, batch, length, dtype=None):

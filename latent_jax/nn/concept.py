@@ -20,7 +20,9 @@ from latent_jax.sharding import constrain, per_batch_shard
 from latent_jax.ops import concepts as C
 from latent_jax.ops import transformer as T
 from latent_jax.nn.baseline import ModelOutput, default_positions
-from latent_jax.nn.layers import TOKENS, RMSNorm, embed_lookup, keep_qk_stats, kv_cache, param, qk_stats, remat, stacked_blocks
+from latent_jax.config import moe_enabled
+from latent_jax.nn.layers import (TOKENS, RMSNorm, embed_lookup, keep_moe_stats, keep_qk_stats, kv_cache, moe_stats,
+                                     param, pop_moe_stats, qk_stats, remat, stacked_blocks)
 
 CODEBOOK_INIT_STD = 0.02  # released code: codebook [S, N, d/S] ~ N(0, 0.02)
 # What the NCP paper's VQ adaptation (Sec. 5.1) trains: the codebook and the concept prediction heads
@@ -53,7 +55,7 @@ class ResidualStack(nnx.Module):
   """
 
   def __init__(self, cfg, num_layers, source_depths, rngs, window_unit=1):
-    self.blocks = stacked_blocks(cfg, num_layers, rngs)
+    self.blocks = stacked_blocks(cfg, num_layers, rngs, sparse=moe_enabled(cfg))  # model.moe: every layer sparse
     d, h, pd = cfg.d_model, cfg.residual_hidden, jnp.dtype(cfg.param_dtype)
     if cfg.irc:
       self.irc_w1 = param(rngs, (num_layers, d, h), ("embed", "residual"), cfg.init_std, pd)
@@ -88,7 +90,7 @@ class ResidualStack(nnx.Module):
       block = nnx.merge(graphdef, layer["block"])
       out, layer_cache = block(constrain(x, TOKENS), positions, segment_ids, layer["window"], layer["cache"],
                                cache_index)
-      out, layer_cache = constrain(out, TOKENS), (layer_cache, qk_stats(block))
+      out, layer_cache = constrain(out, TOKENS), (layer_cache, qk_stats(block), moe_stats(block))
       if not self.irc:
         return (out, history), (out, layer_cache)
       latest = layer["l"] + 1
@@ -105,9 +107,11 @@ class ResidualStack(nnx.Module):
       x, outs = history_scan(body, x, history, layers, consts)
       return x, outs, None
     body = remat(body, self.remat)
-    (x, _), (outs, (cache, stats)) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history),
-                                                  layers, unroll=self.unroll)
+    (x, _), (outs, (cache, stats, moe)) = jax.lax.scan(lambda carry, layer: body(carry, layer, consts), (x, history),
+                                                       layers, unroll=self.unroll)
     keep_qk_stats(self, stats)
+    if cache is None:  # decoding (a cache, maybe inside lax.cond) keeps no routing statistics
+      keep_moe_stats(self, moe)
     return x, outs, cache
 
   def init_cache(self, cfg, batch, length, dtype):
@@ -258,6 +262,9 @@ class ConceptLM(nnx.Module):
            "code_logits": code_logits, "ncp_mask": concept_seg[:, :-1] == concept_seg[:, 1:], "pre_norm": pre_norm}
     if self.nitp_layer:  # NITP's target: a shallow encoder state; its prediction reads the decoder (docs/aux.md)
       aux["nitp_target_state"] = enc_states[self.nitp_layer - 1]
+    moe = [m for m in (pop_moe_stats(s) for s in (self.encoder, self.concept, self.decoder)) if m]
+    if moe:  # model.moe: every module's sparse layers' routing statistics, in layer order
+      aux["moe"] = jax.tree.map(lambda *a: jnp.concatenate(a), *moe)
     return ModelOutput(hidden=hidden, logits=out_logits, aux=aux)
 
   def predict(self, c, positions, segment_ids, sources, impl, cache=None, cache_index=None):

@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from latent_jax.config import moe_enabled
 from latent_jax.sharding import constrain
 from latent_jax.ops import attention as A
+from latent_jax.ops import moe as MoE
 from latent_jax.ops import monitors as M
 from latent_jax.ops import transformer as T
 
@@ -149,12 +151,61 @@ class MLP(nnx.Module):
     return T.swiglu(x, w(self.gate), w(self.up), w(self.down))
 
 
-class Block(nnx.Module):
-  """One transformer block. `post` (OLMo-3): x + norm(f(x)); `pre`: x + f(norm(x))."""
+class SparseMLP(nnx.Module):
+  """Mixture of experts (model.moe, docs/moe.md): a router, E routed SwiGLU experts, optional shared experts.
+
+  Calls return the MLP output; the routing statistics of the call (`latent_jax.ops.moe`: load-balance
+  loss, router z-loss, expert load [E], dropped fraction) are kept in `self.stats` (an nnx.Intermediate)
+  for the stack to collect. The sigmoid router's `router_bias` (aux-loss-free balancing) selects experts
+  only; the train step moves it (train/step.py), the optimiser does not.
+  """
 
   def __init__(self, cfg, rngs):
+    m = cfg.moe
+    d, f, e, pd, std = cfg.d_model, m.expert_dim, m.num_experts, jnp.dtype(cfg.param_dtype), cfg.init_std
+    self.router = param(rngs, (d, e), ("embed", "expert"), std, pd)
+    if m.router == "sigmoid":
+      self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), axes=("expert",))
+    self.gate = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std, pd)
+    self.up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std, pd)
+    self.down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std, pd)
+    if m.shared_experts:  # s shared experts of width f are one SwiGLU of width s * f
+      w = m.shared_experts * f
+      self.shared_gate = param(rngs, (d, w), ("embed", "mlp"), std, pd)
+      self.shared_up = param(rngs, (d, w), ("embed", "mlp"), std, pd)
+      self.shared_down = param(rngs, (w, d), ("mlp", "embed"), std, pd)
+    self.top_k, self.kind, self.norm_topk_prob = m.top_k, m.router, m.norm_topk_prob
+    self.capacity_factor, self.impl = m.capacity_factor, m.get("impl", "auto")
+    self.dtype = jnp.dtype(cfg.dtype)
+
+  def __call__(self, x):
+    w = lambda p: p[...].astype(self.dtype)
+    rows = x.reshape(-1, x.shape[-1])                                     # [N, d]
+    logits = T.linear(rows, w(self.router)).astype(jnp.float32)           # [N, E]
+    scores = MoE.router_scores(logits, self.kind)
+    bias = self.router_bias[...] if self.kind == "sigmoid" else None
+    experts = MoE.top_k_experts(scores, self.top_k, bias)
+    weights = MoE.combine_weights(scores, experts, self.kind, self.norm_topk_prob)
+    capacity = MoE.expert_capacity(rows.shape[0], self.top_k, self.gate.shape[0], self.capacity_factor)
+    y, dropped = MoE.sparse_swiglu(rows, experts, weights, w(self.gate), w(self.up), w(self.down), capacity, self.impl)
+    if hasattr(self, "shared_gate"):
+      y = y + T.swiglu(rows, w(self.shared_gate), w(self.shared_up), w(self.shared_down))
+    load = MoE.expert_load(experts, self.gate.shape[0])
+    stats = {"lb_loss": MoE.load_balance_loss(scores, experts, self.gate.shape[0]),
+             "z_loss": jnp.mean(MoE.router_z_loss(logits)), "load": load, "dropped": dropped}
+    if bias is not None:  # value 0; d/d bias = load: the train step reads the load from the bias's gradient
+      stats["bias_probe"] = jnp.sum((bias - jax.lax.stop_gradient(bias)) * load)
+    self.stats = nnx.Intermediate(stats)
+    return y.reshape(x.shape).astype(x.dtype)
+
+
+class Block(nnx.Module):
+  """One transformer block. `post` (OLMo-3): x + norm(f(x)); `pre`: x + f(norm(x)). `sparse`: the MLP is a
+  SparseMLP (model.moe)."""
+
+  def __init__(self, cfg, rngs, sparse=False):
     pd = jnp.dtype(cfg.param_dtype)
-    self.attn, self.mlp = Attention(cfg, rngs), MLP(cfg, rngs)
+    self.attn, self.mlp = Attention(cfg, rngs), (SparseMLP(cfg, rngs) if sparse else MLP(cfg, rngs))
     self.attn_norm, self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pd), RMSNorm(cfg.d_model, cfg.norm_eps, pd)
     self.post_norm = cfg.block_order == "post"
 
@@ -168,6 +219,11 @@ class Block(nnx.Module):
     return x + self.mlp(self.mlp_norm(x)), cache
 
 
+def moe_stats(block):
+  """The routing statistics a block's SparseMLP recorded in this call, or None for a dense block."""
+  return block.mlp.stats.get_value() if isinstance(block.mlp, SparseMLP) else None
+
+
 def qk_stats(block):
   """The per-head statistics a block's attention recorded in this call (`Attention.monitor`), or None."""
   return block.attn.qk_stats.get_value() if block.attn.monitor else None
@@ -179,14 +235,42 @@ def keep_qk_stats(stack, stats):
     stack.qk_stats = nnx.Intermediate(stats)
 
 
-def stacked_blocks(cfg, num_layers, rngs):
+def stacked_blocks(cfg, num_layers, rngs, sparse=False):
   """`num_layers` Blocks whose parameters are stacked on a leading layer axis, for `jax.lax.scan`."""
   @nnx.split_rngs(splits=num_layers)
   @nnx.vmap(in_axes=(0,), out_axes=0)
   def make(rngs):
-    return Block(cfg, rngs)
+    return Block(cfg, rngs, sparse)
 
   return make(rngs)
+
+
+def keep_moe_stats(stack, stats):
+  """Keep a stack's stacked per-sparse-layer routing statistics ({name: [L_sparse, ...]}) on it; None: nothing."""
+  if stats is not None:
+    stack.moe_stats = nnx.Intermediate(stats)
+
+
+def pop_moe_stats(stack):
+  """The routing statistics a stack kept in its last call ({} if none), removed from it."""
+  if not hasattr(stack, "moe_stats"):
+    return {}
+  stats = stack.moe_stats.get_value()
+  del stack.moe_stats
+  return stats
+
+
+def layer_runs(sparse, tap):
+  """Maximal runs of layers of one kind, also split at `tap`: (sparse, first layer, end, first index in its
+  kind's stack) each."""
+  runs, index = [], {False: 0, True: 0}
+  for i, kind in enumerate(sparse):
+    if runs and runs[-1][0] == kind and i != tap:
+      runs[-1][2] += 1
+    else:
+      runs.append([kind, i, i + 1, index[kind]])
+    index[kind] += 1
+  return [tuple(r) for r in runs]
 
 
 class BlockStack(nnx.Module):
@@ -195,38 +279,57 @@ class BlockStack(nnx.Module):
   Scanning keeps compile time flat in depth (model.scan_unroll > 1 unrolls that many layers per
   loop iteration, trading compile time for fewer loop boundaries); `remat` (a model.remat policy) recomputes each
   block, or all but its matmuls, in the backward pass instead of storing its activations.
+
+  With model.moe the sparse layers (ops.moe.sparse_layers) are a second stack, `sparse_blocks`: a scan needs
+  layers of one structure. The layers run as maximal runs of one kind (`layer_runs`), each a scan over a
+  slice of its kind's stack: one scan each with model.moe.every=1 (all sparse, or a dense prefix then sparse),
+  a scan per layer with every > 1 (compile time then grows with depth).
   """
 
   def __init__(self, cfg, num_layers, rngs):
-    self.blocks = stacked_blocks(cfg, num_layers, rngs)
+    self.sparse = (MoE.sparse_layers(num_layers, cfg.moe.every, cfg.moe.first_dense) if moe_enabled(cfg)
+                   else (False,) * num_layers)
     self.num_layers = num_layers
     self.windows = (num_layers, cfg.window, cfg.full_attention_every)
-    self.blocks.set_attributes(windows=T.window_sizes(*self.windows))
+    if sum(self.sparse) < num_layers:
+      self.blocks = stacked_blocks(cfg, num_layers - sum(self.sparse), rngs)
+      self.blocks.set_attributes(windows=T.window_sizes(*self.windows))
+    if any(self.sparse):
+      self.sparse_blocks = stacked_blocks(cfg, sum(self.sparse), rngs, sparse=True)
+      self.sparse_blocks.set_attributes(windows=T.window_sizes(*self.windows))
     self.remat = cfg.remat
     self.unroll = cfg.get("scan_unroll", 1)
 
   def __call__(self, x, positions, segment_ids, cache=None, cache_index=None, tap=0):
     """Returns (x, cache, tapped): `tapped` is the state after the first `tap` layers (None if tap=0)."""
-    graphdef, state = nnx.split(self.blocks)
+    stacks = {kind: nnx.split(getattr(self, name)) for kind, name in ((False, "blocks"), (True, "sparse_blocks"))
+              if hasattr(self, name)}
 
-    def body(x, layer):
-      params, window, layer_cache = layer
-      block = nnx.merge(graphdef, params)
-      x, layer_cache = block(constrain(x, TOKENS), positions, segment_ids, window, layer_cache, cache_index)
-      return constrain(x, TOKENS), (layer_cache, qk_stats(block))
+    def body(graphdef):
+      def step(x, layer):
+        params, window, layer_cache = layer
+        block = nnx.merge(graphdef, params)
+        x, layer_cache = block(constrain(x, TOKENS), positions, segment_ids, window, layer_cache, cache_index)
+        return constrain(x, TOKENS), (layer_cache, qk_stats(block), moe_stats(block))
+      return remat(step, self.remat)
 
-    body = remat(body, self.remat)
-    layers = (state, T.layer_windows(*self.windows), cache)
-    scan = lambda x, layers: jax.lax.scan(body, x, layers, unroll=self.unroll)
-    if not tap:
-      x, (cache, stats) = scan(x, layers)
-      keep_qk_stats(self, stats)
-      return x, cache, None
-    # Layers [0, tap) then [tap, L): the tapped state without storing every layer's output.
-    tapped, head = scan(x, jax.tree.map(lambda a: a[:tap], layers))
-    x, tail = scan(tapped, jax.tree.map(lambda a: a[tap:], layers))
-    cache, stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), head, tail)
+    windows, tapped, outs, moe = T.layer_windows(*self.windows), None, [], []
+    for kind, start, end, first in layer_runs(self.sparse, tap):
+      if tap and start == tap:
+        tapped = x
+      graphdef, state = stacks[kind]
+      take = lambda a, lo, hi: jax.tree.map(lambda v: v[lo:hi], a)
+      layers = (take(state, first, first + end - start), windows[start:end], take(cache, start, end))
+      x, (layer_cache, stats, moe_run) = jax.lax.scan(body(graphdef), x, layers, unroll=self.unroll)
+      outs.append((layer_cache, stats))
+      if moe_run is not None:
+        moe.append(moe_run)
+    if tap and tapped is None:  # tap = num_layers: the final state
+      tapped = x
+    cache, stats = jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
     keep_qk_stats(self, stats)
+    if moe and cache is None:  # decoding keeps no routing statistics
+      keep_moe_stats(self, jax.tree.map(lambda *a: jnp.concatenate(a), *moe))
     return x, cache, tapped
 
   def init_cache(self, cfg, batch, length, dtype):

@@ -12,11 +12,12 @@ import optax
 from flax import nnx
 
 from latent_jax import sharding
-from latent_jax.config import trainable_setting
+from latent_jax.config import moe_enabled, trainable_setting
 from latent_jax.data import FEATURES
 from latent_jax.nn import build_model
 from latent_jax.nn.lora import adapt
 from latent_jax import objectives
+from latent_jax.ops.moe import bias_update
 from latent_jax.ops.monitors import monitor_metrics
 from latent_jax.train.optim import trainable_mask, skipped_steps
 
@@ -92,8 +93,13 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
       zeros = (jax.tree.map(zero, state["params"], shardings["params"]), jax.tree.map(jnp.zeros_like, whole))
       (grads, metrics), _ = jax.lax.scan(accumulate, zeros, split_microbatches(batch, k, mesh))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state["params"])
+    loads = grads if moe_enabled(cfg.model) and cfg.model.moe.router == "sigmoid" else None
+    if loads is not None:  # the router biases' gradients are expert loads (balance_routers); Adam sees zeros
+      grads = jax.tree_util.tree_map_with_path(lambda path, g: jnp.zeros_like(g) if is_router_bias(path) else g, grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    if loads is not None:
+      params = balance_routers(params, state["params"], loads, cfg.model.moe.bias_update_rate)
     metrics = objectives.step_metrics(metrics)
     metrics["grad_norm"] = optax.tree.norm(grads)
     if monitors:  # grad_norm/{group}, update_norm/{group}
@@ -104,6 +110,18 @@ def make_train_step(graphdef, tx, cfg, shardings, mesh, objective=objectives.lm_
 
   return jax.jit(train_step, in_shardings=(shardings, sharding.batch_sharding(mesh)),
                  out_shardings=(shardings, sharding.replicated(mesh)), donate_argnums=0)
+
+
+def is_router_bias(path):
+  return getattr(path[-1], "key", None) == "router_bias"
+
+
+def balance_routers(params, old, loads, rate):
+  """Auxiliary-loss-free balancing (model.moe.router=sigmoid): each router_bias of `params` moved from its `old`
+  value by ops.moe.bias_update. Its gradient in `loads` is its layers' expert load [layers, E] up to a positive
+  factor (objectives.moe_terms, the probe term), which the update's sign ignores."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p, b, load: bias_update(b, load, rate) if is_router_bias(path) else p, params, old, loads)
 
 
 def split_microbatches(batch, k, mesh):

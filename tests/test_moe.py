@@ -1,0 +1,246 @@
+"""Mixture of experts (model.moe, docs/moe.md): the pure functions of ops/moe.py against NumPy, the sparse MLP
+against the all-experts computation, the models and the train loop with it, and its config errors."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import ROOT, TINY, TINY_OVERRIDES
+from latent_jax import ConfigError, build_model, load_config
+from latent_jax.nn.layers import BlockStack, layer_runs
+from latent_jax.ops import moe
+
+TINY_MOE = f"{ROOT}/configs/tiny_moe.py"
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_dim=16"]
+
+
+def moe_cfg(*overrides):
+  return load_config(TINY_MOE, [*TINY_OVERRIDES, *MOE, *overrides])
+
+
+def np_softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def np_silu(x):
+  return x / (1 + np.exp(-x))
+
+
+def random_routing(n=24, e=6, k=2, seed=0):
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(size=(n, e)).astype(np.float32)
+  return logits, np.argsort(-rng.normal(size=(n, e)), axis=-1)[:, :k].astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------ pure functions
+def test_router_scores_top_k_and_combine_weights_match_numpy():
+  logits, _ = random_routing()
+  bias = np.linspace(-1, 1, 6).astype(np.float32)
+  soft, sig = np_softmax(logits), 1 / (1 + np.exp(-logits))
+  np.testing.assert_allclose(moe.router_scores(jnp.asarray(logits), "softmax"), soft, rtol=1e-5)
+  np.testing.assert_allclose(moe.router_scores(jnp.asarray(logits), "sigmoid"), sig, rtol=1e-5)
+  for scores, b in ((soft, None), (sig, bias)):
+    chosen = np.argsort(-(scores + (0 if b is None else b)), axis=-1)[:, :3]
+    got = np.asarray(moe.top_k_experts(jnp.asarray(scores), 3, None if b is None else jnp.asarray(b)))
+    np.testing.assert_array_equal(got, chosen)  # the bias selects (DeepSeek-V3 Eq. 16)
+  experts = np.argsort(-soft, axis=-1)[:, :2]
+  picked = np.take_along_axis(soft, experts, -1)
+  np.testing.assert_allclose(moe.combine_weights(jnp.asarray(soft), jnp.asarray(experts), "softmax", False),
+                             picked, rtol=1e-6)  # OLMoE: no renormalisation
+  np.testing.assert_allclose(moe.combine_weights(jnp.asarray(soft), jnp.asarray(experts), "softmax", True),
+                             picked / picked.sum(-1, keepdims=True), rtol=1e-6)
+  picked = np.take_along_axis(sig, experts, -1)  # sigmoid: the chosen scores (not the biased ones), normalised
+  np.testing.assert_allclose(moe.combine_weights(jnp.asarray(sig), jnp.asarray(experts), "sigmoid", False),
+                             picked / picked.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_balance_losses_match_numpy():
+  logits, experts = random_routing()
+  n, e = logits.shape
+  scores = np_softmax(logits)
+  f = np.array([(experts == i).sum() for i in range(e)]) / n           # fraction of tokens choosing i (sums to k)
+  np.testing.assert_allclose(moe.load_balance_loss(jnp.asarray(scores), jnp.asarray(experts), e),
+                             e * np.sum(f * scores.mean(0)), rtol=1e-5)
+  np.testing.assert_allclose(moe.expert_load(jnp.asarray(experts), e), f * n)
+  lse = np.log(np.exp(logits).sum(-1))
+  np.testing.assert_allclose(moe.router_z_loss(jnp.asarray(logits)), lse ** 2, rtol=1e-5)
+  # Uniform scores and perfectly balanced choices give k (transformers' OLMoE form).
+  balanced = np.stack([np.arange(n) % e, (np.arange(n) + 1) % e], -1)
+  assert float(moe.load_balance_loss(jnp.full((n, e), 1 / e), jnp.asarray(balanced), e)) == pytest.approx(2.0)
+
+
+def test_bias_update_capacity_and_sparse_layers():
+  load = np.array([[3.0, 1.0, 2.0, 2.0], [0.0, 4.0, 4.0, 0.0]], np.float32)
+  bias = np.full((2, 4), 0.5, np.float32)
+  np.testing.assert_allclose(moe.bias_update(jnp.asarray(bias), jnp.asarray(load), 0.1),
+                             bias + 0.1 * np.sign(load.mean(-1, keepdims=True) - load))
+  assert moe.expert_capacity(100, 2, 8, 1.25) == math.ceil(1.25 * 100 * 2 / 8)
+  assert moe.expert_capacity(100, 2, 8, 0.0) == 0
+  assert moe.sparse_layers(6, 1, 0) == (True,) * 6
+  assert moe.sparse_layers(6, 2, 1) == (False, True, False, True, False, True)
+  assert moe.sparse_layers(5, 2, 0) == (True, False, True, False, True)
+  runs = layer_runs((False, True, True, True), 2)  # a dense prefix, then sparse split at the NITP tap
+  assert runs == [(False, 0, 1, 0), (True, 1, 2, 0), (True, 2, 4, 1)]
+
+
+def test_tile_layout_puts_one_expert_in_each_tile():
+  _, experts = random_routing(n=40, e=5, k=2, seed=3)
+  order, sizes = moe.sort_by_expert(jnp.asarray(experts), 5)
+  slot, tile_expert = moe.tile_layout(sizes, 80, 8)
+  slot, tile_expert = np.asarray(slot), np.asarray(tile_expert)
+  sorted_experts = experts.reshape(-1)[np.asarray(order)]
+  assert len(set(slot)) == 80 and slot.max() < len(tile_expert) * 8
+  np.testing.assert_array_equal(tile_expert[slot // 8], sorted_experts)
+
+
+# ------------------------------------------------------------------------------------------ the sparse MLP
+def expert_weights(e=6, d=8, f=12, seed=1):
+  rng = np.random.default_rng(seed)
+  w = lambda *s: jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.3)
+  return w(24, d), w(e, d, f), w(e, d, f), w(e, f, d)
+
+
+def all_experts(x, experts, weights, w_gate, w_up, w_down):
+  """The reference: every expert on every token ([E, N, d]), weighted by a dense [N, E] gate (0 off the top k)."""
+  gates = jnp.zeros((x.shape[0], w_gate.shape[0])).at[jnp.arange(x.shape[0])[:, None], experts].add(weights)
+  outs = jnp.einsum("enf,efd->end", jax.nn.silu(jnp.einsum("nd,edf->enf", x, w_gate)) *
+                    jnp.einsum("nd,edf->enf", x, w_up), w_down)
+  return jnp.einsum("end,ne->nd", outs, gates)
+
+
+@pytest.mark.parametrize("impl", ["ragged", "tiled"])
+def test_sparse_mlp_equals_all_experts_values_and_gradients(impl):
+  logits, experts = random_routing()
+  x, *w = expert_weights()
+  weights = jnp.asarray(np_softmax(logits)[np.arange(24)[:, None], experts])
+  experts = jnp.asarray(experts)
+  y, dropped = moe.sparse_swiglu(x, experts, weights, *w, impl=impl)
+  np.testing.assert_allclose(y, all_experts(x, experts, weights, *w), rtol=1e-5, atol=1e-6)
+  assert float(dropped) == 0.0
+  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(a[0], experts, a[1], *a[2:]) if fn is all_experts
+                                               else fn(a[0], experts, a[1], *a[2:], impl=impl)[0]))
+  grads = jax.grad(loss(moe.sparse_swiglu), argnums=range(5))(x, weights, *w)
+  ref = jax.grad(loss(all_experts), argnums=range(5))(x, weights, *w)
+  for g, r in zip(grads, ref):
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
+
+
+def test_all_experts_chosen_is_the_softmax_mixture():
+  """top_k = E with the softmax router and no renormalisation: the softmax-weighted sum of all experts."""
+  logits, _ = random_routing()
+  x, *w = expert_weights()
+  scores = moe.router_scores(jnp.asarray(logits), "softmax")
+  experts = moe.top_k_experts(scores, 6)
+  y, _ = moe.sparse_swiglu(x, experts, moe.combine_weights(scores, experts, "softmax", False), *w)
+  xn, (g, u, dn), p = np.asarray(x), map(np.asarray, w), np.asarray(scores)
+  ref = sum(p[:, e:e + 1] * ((np_silu(xn @ g[e]) * (xn @ u[e])) @ dn[e]) for e in range(6))
+  np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_capacity_drops_the_late_pairs_and_counts_them():
+  x, *w = expert_weights(e=3)
+  rng = np.random.default_rng(2)
+  experts = np.stack([np.zeros(24, int), rng.integers(1, 3, 24)], -1).astype(np.int32)  # expert 0 on every token
+  weights = jnp.asarray(rng.uniform(0.2, 1, (24, 2)).astype(np.float32))
+  capacity = moe.expert_capacity(24, 2, 3, 1.0)  # 16 rows per expert
+  y, dropped = moe.sparse_swiglu(x, jnp.asarray(experts), weights, *w, capacity=capacity)
+  keep = np.zeros((24, 2), bool)  # first come first served in (token, slot) order, per expert
+  for e in range(3):
+    pairs = np.argwhere(experts == e)
+    keep[tuple(pairs[:capacity].T)] = True
+  assert float(dropped) == pytest.approx(1 - keep.mean()) and keep.mean() < 1
+  np.testing.assert_allclose(y, all_experts(x, jnp.asarray(experts), weights * keep, *w), rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ models
+def test_dense_models_keep_their_parameters():
+  params = nnx.to_pure_dict(nnx.state(build_model(load_config(TINY, TINY_OVERRIDES).model, nnx.Rngs(0))))
+  assert set(params["blocks"]) == {"blocks"} and "gate" in params["blocks"]["blocks"]["mlp"]
+
+
+def test_moe_baseline_stacks_and_statistics():
+  cfg = moe_cfg("model.num_layers=4", "model.moe.first_dense=1", "model.moe.shared_experts=1")
+  model = build_model(cfg.model, nnx.Rngs(0))
+  params = nnx.to_pure_dict(nnx.state(model))["blocks"]
+  assert params["blocks"]["mlp"]["gate"].shape == (1, 32, 64)                 # the dense first layer
+  assert params["sparse_blocks"]["mlp"]["gate"].shape == (3, 4, 32, 16)       # 3 sparse layers of 4 experts
+  assert params["sparse_blocks"]["mlp"]["shared_gate"].shape == (3, 32, 16)
+  axes = nnx.to_pure_dict(nnx.map_state(lambda _, v: v.get_metadata().get("axes"), nnx.state(model, nnx.Param)))
+  assert axes["blocks"]["sparse_blocks"]["mlp"]["gate"] == ("expert", "embed", "mlp")
+  assert axes["blocks"]["sparse_blocks"]["mlp"]["router"] == ("embed", "expert")
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 320, (2, 16)), jnp.int32)
+  out = model(tokens)
+  assert out.aux["moe"]["load"].shape == (3, 4) and np.all(np.asarray(out.aux["moe"]["load"]).sum(-1) == 2 * 16 * 2)
+  assert not hasattr(model.blocks, "moe_stats")  # popped: nothing traced stays on the module
+  # The NITP tap splits a run; the result is the same.
+  model.nitp_layer = 2
+  tapped = model(tokens)
+  np.testing.assert_allclose(tapped.logits, out.logits, rtol=1e-5, atol=1e-5)
+  assert tapped.aux["nitp_target_state"].shape == (2, 16, 32)
+
+
+def test_kv_cache_decoding_through_the_sparse_layers():
+  cfg = moe_cfg("model.moe.first_dense=1", "model.moe.router=sigmoid")
+  model = build_model(cfg.model, nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 320, (1, 10)), jnp.int32)
+  full = model(tokens).logits
+  cache, steps = model.init_cache(1, 10), []
+  for i in range(10):
+    out = model(tokens[:, i:i + 1], cache=cache, cache_index=i)
+    cache = out.cache
+    steps.append(out.logits[:, 0])
+  np.testing.assert_allclose(jnp.stack(steps, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_concept_lm_with_moe_builds_and_runs():
+  cfg = load_config(f"{ROOT}/configs/tiny_ncp.py", [*TINY_OVERRIDES, "model.moe.enabled=True", *MOE,
+                    "model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=2",
+                    "model.concept_layers=1", "model.decoder_layers=1"])
+  from latent_jax.objectives import ncp_objective
+  model = build_model(cfg.model, nnx.Rngs(0))
+  batch = {k: jnp.asarray(np.random.default_rng(0).integers(0, 320, (2, 32)), jnp.int32)
+           for k in ("inputs", "targets")}
+  batch.update(segment_ids=jnp.zeros((2, 32), jnp.int32), positions=jnp.broadcast_to(jnp.arange(32), (2, 32)))
+  total, metrics = ncp_objective(model, batch, cfg)
+  assert np.isfinite(float(total)) and np.isfinite(float(metrics["moe_lb_loss"]))
+  assert float(metrics["router_z_loss"]) > 0
+
+
+def test_tiny_moe_trains_and_logs_the_router_losses(tmp_path, corpus_dir):
+  from latent_jax.train.loop import train
+  cfg = moe_cfg("model.moe.router=sigmoid", "model.moe.capacity_factor=1.0", "train.steps=3",
+                "optim.warmup_steps=1", "train.eval_every=0", f"data.source={corpus_dir}")
+  rows = train(cfg, str(tmp_path / "run"))
+  for name in ("loss", "moe_lb_loss", "router_z_loss", "moe_dropped"):
+    assert np.isfinite(rows[name]), name
+  assert "moe_bias_probe" not in rows
+  from latent_jax.infer import load
+  model = load.load_model(str(tmp_path / "run"))[0]
+  bias = np.asarray(model.blocks.sparse_blocks.mlp.router_bias[...])  # 3 steps of +-rate (or 0) from 0
+  rate = cfg.model.moe.bias_update_rate
+  assert np.any(bias != 0) and np.all(np.abs(bias) <= 3 * rate + 1e-9)
+  np.testing.assert_allclose(bias / rate, np.round(bias / rate), atol=1e-4)
+
+
+@pytest.mark.parametrize("override,names", [
+    ("model.moe.top_k=9", ["model.moe.top_k", "num_experts=8"]),
+    ("model.moe.first_dense=4", ["model.moe.first_dense", "[0, 4)"]),
+    ("model.moe.every=0", ["model.moe.every", "positive"]),
+    ("model.moe.capacity_factor=-1.0", ["model.moe.capacity_factor", "dropless"]),
+    ("model.moe.expert_dim=0", ["model.moe.expert_dim", "positive"]),
+    ("model.moe.router=relu", ["model.moe.router", "'relu'"]),
+])
+def test_bad_moe_settings_are_config_errors(override, names, tmp_path, capsys):
+  with pytest.raises(ConfigError) as e:
+    load_config(TINY_MOE, [override])
+  for name in names:
+    assert name in str(e.value), (name, str(e.value))
+  from test_cli_errors import check_one_error_line, run_main
+  code, err = run_main("latent_jax.train.__main__", ["--config", TINY_MOE, f"--config.{override}",
+                                                     "--workdir", str(tmp_path / "run")], capsys)
+  check_one_error_line(code, err, names[:1])
+  assert not (tmp_path / "run").exists()
