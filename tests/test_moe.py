@@ -218,12 +218,40 @@ def test_tiny_moe_trains_and_logs_the_router_losses(tmp_path, corpus_dir):
   for name in ("loss", "moe_lb_loss", "router_z_loss", "moe_dropped"):
     assert np.isfinite(rows[name]), name
   assert "moe_bias_probe" not in rows
+  from latent_jax.nn import abstract_model, axes_tree
+  from latent_jax.train import flops
+  _, abstract = abstract_model(cfg)
+  assert (rows["active_params"], rows["nonembedding_params"]) == flops.parameter_counts(abstract, axes_tree(abstract), cfg.model)
+  assert rows["active_params"] < rows["nonembedding_params"]
+  assert rows["flops"] == pytest.approx(3 * 8 * 32 * flops.flops_per_token(cfg, 32))  # the active FLOPs
   from latent_jax.infer import load
   model = load.load_model(str(tmp_path / "run"))[0]
   bias = np.asarray(model.blocks.sparse_blocks.mlp.router_bias[...])  # 3 steps of +-rate (or 0) from 0
   rate = cfg.model.moe.bias_update_rate
   assert np.any(bias != 0) and np.all(np.abs(bias) <= 3 * rate + 1e-9)
   np.testing.assert_allclose(bias / rate, np.round(bias / rate), atol=1e-4)
+
+
+def test_flops_and_parameters_count_the_active_experts():
+  """Against independent counts: the MoE's FLOPs are the dense model's with the active experts' width
+  (top_k + shared) * expert_dim, plus the router's 2 d E per sparse layer (forward), x3 for training; the
+  parameters counted by hand."""
+  from latent_jax.nn import abstract_model, axes_tree
+  from latent_jax.train import flops
+  cfg = moe_cfg("model.num_layers=4", "model.moe.first_dense=1", "model.moe.every=2", "model.moe.shared_experts=1")
+  d, e, f, k = 32, 4, 16, 2
+  dense = load_config(TINY, [*TINY_OVERRIDES, "model.num_layers=4", f"model.mlp_dim={(k + 1) * f}"])
+  sparse_layers = 2  # layers 1 and 3
+  per_dense_layer = 3 * (2 * 3 * d * 64 - 2 * 3 * d * (k + 1) * f)  # layers 0 and 2 keep mlp_dim=64
+  expected = flops.flops_per_token(dense.model, 32) + 3 * sparse_layers * 2 * d * e + 2 * per_dense_layer
+  assert flops.flops_per_token(cfg.model, 32) == pytest.approx(expected)
+  _, abstract = abstract_model(cfg.model)
+  active, total = flops.parameter_counts(abstract, axes_tree(abstract), cfg.model)
+  attention = d * 32 + 2 * d * 16 + 32 * d + 32 + 16 + 2 * d   # q, k, v, o, QK-norms (layer), two block norms
+  experts, shared, router = 3 * e * d * f, 3 * d * f, d * e
+  dense_mlp = 3 * d * 64
+  assert total == 4 * attention + 2 * dense_mlp + 2 * (experts + shared + router) + d  # + the final norm
+  assert active == total - 2 * experts * (1 - k / e)
 
 
 @pytest.mark.parametrize("override,names", [

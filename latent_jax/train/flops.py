@@ -27,19 +27,48 @@ def mean_visible_keys(seq_len, window):
   return float(np.minimum(t, window).mean())
 
 
-def block_flops_per_token(m, seq_len, window):
-  """Forward FLOPs of one transformer block for one token at training length seq_len."""
+def block_flops_per_token(m, seq_len, window, sparse=False):
+  """Forward FLOPs of one transformer block for one token at training length seq_len. `sparse` (model.moe):
+  the MLP's are the active experts' (top_k routed + shared, each of width expert_dim) and the router's."""
   d, h, k, hd, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
-  matmul = 2 * (d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * f)
+  mlp = 3 * d * f
+  if sparse:
+    e = m.moe
+    mlp = 3 * d * e.expert_dim * (e.top_k + e.shared_experts) + d * e.num_experts
+  matmul = 2 * (d * h * hd + 2 * d * k * hd + h * hd * d + mlp)
   attention = 4 * h * hd * mean_visible_keys(seq_len, window)  # q k^T and probs v
   return matmul + attention
 
 
 def stack_flops_per_token(m, num_layers, seq_len):
-  """Forward FLOPs per token of `num_layers` blocks under the config's window pattern."""
+  """Forward FLOPs per token of `num_layers` blocks under the config's window pattern (and model.moe's sparse layers)."""
+  from latent_jax.config import moe_enabled
+  from latent_jax.ops.moe import sparse_layers
   from latent_jax.ops.transformer import layer_windows
   windows = np.asarray(layer_windows(num_layers, m.window, m.full_attention_every))
-  return sum(block_flops_per_token(m, seq_len, int(w)) for w in windows)
+  sparse = sparse_layers(num_layers, m.moe.every, m.moe.first_dense) if moe_enabled(m) else (False,) * num_layers
+  return sum(block_flops_per_token(m, seq_len, int(w), s) for w, s in zip(windows, sparse))
+
+
+def parameter_counts(abstract_params, axes, model_cfg):
+  """(active, total) non-embedding parameters (the token embedding and LM head left out): of a routed
+  expert's weights (logical axes ("expert", ...) and a matrix each) a token uses top_k / num_experts."""
+  from latent_jax.config import moe_enabled
+  share = model_cfg.moe.top_k / model_cfg.moe.num_experts if moe_enabled(model_cfg) else 1.0
+  active = total = 0
+  for path, axes_leaf in jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0]:
+    if getattr(path[0], "key", None) in ("embed", "lm_head"):
+      continue
+    size = int(np.prod(leaf_at(abstract_params, path).shape))
+    total += size
+    active += size * share if len(axes_leaf) == 3 and axes_leaf[0] == "expert" else size
+  return int(round(active)), total
+
+
+def leaf_at(tree, path):
+  for key in path:
+    tree = tree[key.key]
+  return tree
 
 
 def baseline_flops_per_token(m, seq_len):

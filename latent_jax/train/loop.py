@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from latent_jax.config import ConfigError, is_ladder, trainable_setting, validate
+from latent_jax.config import ConfigError, is_ladder, moe_enabled, trainable_setting, validate
 from latent_jax import distributed, sharding
 from latent_jax.cli import writable_dir
 from latent_jax.data import build_data, check_text_source, make_train_iterator, make_val_batches, save_tokenizer
@@ -132,7 +132,9 @@ def run(cfg, workdir, allow_data_change, started):
   writer = MetricsWriter(workdir, step, cfg)
   flags = jax.tree.leaves(trains)
   trainable = "" if all(flags) else f" ({sum(int(np.prod(x.shape)) for x, t in zip(jax.tree.leaves(abstract_params), flags) if t) / 1e6:.3f}M trainable)"
-  say(f"{param_count(abstract_params) / 1e6:.2f}M params{trainable}, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
+  active, non_embedding = flops.parameter_counts(abstract_params, axes, cfg.model)
+  sparse = f" (non-embedding: {active / 1e6:.3f}M active of {non_embedding / 1e6:.3f}M)" if moe_enabled(cfg.model) else ""
+  say(f"{param_count(abstract_params) / 1e6:.2f}M params{sparse}{trainable}, peak {peak / 1e12:.3g} TFLOP/s ({peak_source}); "
         f"train {data.train_tokens.size:,} tokens, val {data.val_tokens.size:,} tokens, "
         f"unigram entropy {data.unigram_entropy:.3f} nats/token")
 
@@ -195,6 +197,8 @@ def run(cfg, workdir, allow_data_change, started):
                          flops=phase.flops_at(step), mfu=phase.flops_per_step * steps_per_s / peak)
           if phase.number is not None:
             metrics["phase"] = phase.number
+          if sparse:  # model.moe: N as active and total non-embedding parameters
+            metrics.update(active_params=active, nonembedding_params=non_embedding)
           if probe and phase.seq_len == phase.positions:  # not over TST's bags: plain rows only
             metrics.update(probe(state["params"], batch))
           if eval_now:
