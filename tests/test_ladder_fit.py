@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from latent_jax.ladder import fit
+from latent_jax.ladder.fit import minima, noise
 
 # Hoffmann et al. 2022's approach-3 fit (Chinchilla): L(N, D) = E + A/N^a + B/D^b.
 E, A, B, ALPHA, BETA = 1.69, 406.4, 410.7, 0.34, 0.28
@@ -56,42 +57,94 @@ def test_parametric_fit_recovers_the_law():
 
 
 def test_multiplier_of_a_method_with_known_compute_advantage():
-  # Over 30 noise seeds the intervals held k at 90-100% of budgets and the estimate was within 6% of it.
+  # The law's frontier has an E, fitted with 5 budgets; over 30 noise seeds the pooled M was within 5% of k.
   k = 1.5
   rng = np.random.default_rng(1)
   points = ladder("baseline", 1.0, rng) + ladder("ncp", k, rng)
-  result = fit.fit_ladder(points, n_boot=100, seed=0)
-  comparison = result["methods"]["ncp"]["comparison"]
-  assert [c["budget"] for c in comparison] == result["budgets"] == [float(f"{c:.2g}") for c in BUDGETS]
-  for c in comparison:
-    lo, hi = c["multiplier_ci"]
-    assert lo <= k <= hi and abs(c["multiplier"] / k - 1) < 0.1, c
-    assert c["delta_loss_ci"][1] < 0, c  # the method is better at equal compute
-  assert result["boot_failed"] == 0 and result["methods"]["baseline"]["comparison"] == []
-  front = result["methods"]["baseline"]["frontier"]
-  lo, hi = result["methods"]["baseline"]["frontier_ci"]["alpha"]
-  assert lo <= front["alpha"] <= hi and abs(front["alpha"] - ALPHA * BETA / (ALPHA + BETA)) < 0.03
+  result = fit.fit_ladder(points, n_boot=200, seed=0)
+  entry = result["conventions"]["flops"]
+  mult = entry["multipliers"]["ncp"]
+  assert mult["budgets"] == result["budgets"] == [float(f"{c:.2g}") for c in BUDGETS] and mult["left_out"] == []
+  assert abs(mult["pooled"] / k - 1) < 0.05 and mult["ci"][0] <= k <= mult["ci"][1], mult
+  assert entry["frontier"]["fixed"] == [] and "fitted to 5 bracketed minima" in entry["frontier_note"]
+  assert abs(entry["frontier"]["alpha"] - ALPHA * BETA / (ALPHA + BETA)) < 0.03
+  # Five budgets: a multiplier per budget too, each interval holding k; every paired difference negative.
+  assert len(mult["per_budget"]) == 5 and result["per_budget_note"] is None
+  assert all(x["ci"][0] <= k <= x["ci"][1] for x in mult["per_budget"]), mult["per_budget"]
+  for x in result["minima"]["ncp"]:
+    assert x["kind"] == "parabola" and x["delta"]["n_seeds"] == 3 and x["delta"]["mean"] + 2 * x["delta"]["se"] < 0
+  assert result["noise"]["ncp"]["dof"] == 5 * 7 * 2  # 35 cells of 3 seeds
 
 
-def test_isoflop_minimum_parabola_fallbacks_and_seed_average():
-  n = np.geomspace(1e8, 1e9, 5)
-  loss = 2.0 + 0.1 * np.log(n / 3e8) ** 2
-  got = fit.isoflop_minimum([{"flops": 1e19, "params": x, "loss": y} for x, y in zip(n, loss)])
-  assert got["kind"] == "parabola" and got["params_opt"] == pytest.approx(3e8, rel=1e-6)
-  assert got["loss_opt"] == pytest.approx(2.0, abs=1e-9) and got["curvature"] == pytest.approx(0.1)
-  # Two seeds per size, offset +-0.05: averaged first, the same parabola.
-  seeded = [{"flops": 1e19, "params": x, "loss": y + s, "seed": i}
-            for x, y in zip(n, loss) for i, s in enumerate([-.05, .05])]
-  assert fit.isoflop_minimum(seeded)["params_opt"] == pytest.approx(3e8, rel=1e-6)
-  # Two sizes: the best mean, not the best single run (1.0 is a lucky seed of a size averaging 2.0).
-  two = [{"flops": 1e19, "params": 1e8, "loss": 1.0, "seed": 0}, {"flops": 1e19, "params": 1e8, "loss": 3.0, "seed": 1},
-         {"flops": 1e19, "params": 2e8, "loss": 1.8, "seed": 0}, {"flops": 1e19, "params": 2e8, "loss": 1.8, "seed": 1}]
-  got = fit.isoflop_minimum(two)
-  assert got["kind"] == "best_point" and got["params_opt"] == 2e8 and got["loss_opt"] == 1.8
-  # A parabola opening downward, or with its vertex beyond the sampled sizes: the best point.
-  for bad in (2.5 - 0.1 * np.log(n / 3e8) ** 2, 2.0 + 0.1 * np.log(n / 3e9) ** 2):
-    got = fit.isoflop_minimum([{"flops": 1e19, "params": x, "loss": y} for x, y in zip(n, bad)])
-    assert got["kind"] == "best_point" and got["loss_opt"] == bad.min()
+def synthetic_ladder(rng, k, sigma, seeds=3, budgets=(2e12, 5e12, 1.2e13), sizes=5, curvature=0.08):
+  """IsoFLOP profiles L = L*(C) + curvature (ln N - ln N*(C))^2 with the frontier L*(C) = 3.2 (C/5e12)^-0.1 (E = 0:
+  inside the fit's model with 3 budgets), sizes placed around N* with a random offset, Gaussian seed noise; the
+  method's L* is the reference's at k C: a known multiplier k with known noise."""
+  points = []
+  for method, factor in (("baseline", 1.0), ("x", k)):
+    for c in budgets:
+      n_star = 1e5 * (c / 5e12) ** 0.5
+      for n in n_star * np.exp(np.linspace(-1.2, 1.2, sizes) + rng.uniform(-0.4, 0.4)):
+        for seed in range(seeds):
+          loss = 3.2 * (factor * c / 5e12) ** -0.1 + curvature * math.log(n / n_star) ** 2 + sigma * rng.standard_normal()
+          points.append({"method": method, "flops": c, "params": n, "tokens": c / 6 / n, "loss": loss, "seed": seed})
+  return points
+
+
+def test_intervals_cover_a_known_multiplier_about_95_percent_of_the_time():
+  """Held-out synthetic ladders (not the data the method was built on): the 95% interval of the pooled
+  multiplier holds the true k in 90-99% of 200 ladders, at two noise levels (measured: 94.5% and 97%)."""
+  rng = np.random.default_rng(12345)
+  for sigma in (0.01, 0.03):
+    hits = 0
+    for _ in range(200):
+      result = fit.fit_ladder(synthetic_ladder(rng, 1.5, sigma), n_boot=400, seed=int(rng.integers(2**31)))
+      lo, hi = result["conventions"]["flops"]["multipliers"]["x"]["ci"]
+      hits += lo <= 1.5 <= hi
+    assert 0.90 <= hits / 200 <= 0.99, (sigma, hits)
+
+
+def test_one_seed_gives_no_interval_and_edges_are_left_out():
+  rng = np.random.default_rng(3)
+  points = synthetic_ladder(rng, 1.3, 0.01, seeds=1)
+  # The method's largest budget sampled only on one side of its optimum: an edge, left out of the pooled M.
+  points = [p for p in points if not (p["method"] == "x" and p["flops"] == 1.2e13 and p["params"] < 1.6e5)]
+  result = fit.fit_ladder(points, n_boot=100)
+  mult = result["conventions"]["flops"]["multipliers"]["x"]
+  assert result["n_boot"] == 0 and mult["ci"] is None and "no noise estimate" in result["noise_note"]
+  assert mult["left_out"] == [1.2e13] and mult["budgets"] == [2e12, 5e12]
+  assert result["minima"]["x"][2]["kind"] == "edge" and not result["minima"]["x"][2]["bracketed"]
+  assert result["minima"]["x"][0]["delta"]["se"] is None  # one seed: a difference, no standard error
+  report = fit.report_markdown(result)
+  assert "[" not in report.split("Pooled compute multiplier")[1].split("###")[0].split("|---|")[1]  # no interval printed
+  assert "edge (not bracketed)" in report and "No intervals" in report and "fewer than 5" in report
+
+
+def test_minima_parabola_edges_and_given():
+  log_n = np.log(np.geomspace(1e8, 1e9, 5))
+  mean = 2.0 + 0.1 * (log_n - math.log(3e8)) ** 2
+  loss, log_opt, kind = minima(log_n, mean[:, None])
+  assert kind[0] == "parabola" and loss[0] == pytest.approx(2.0) and math.exp(log_opt[0]) == pytest.approx(3e8)
+  # A minimum beyond the sizes: the lowest point is at an edge, not bracketed; a parabola opening downward
+  # whose lowest point is inside: the best point.
+  far = 2.0 + 0.1 * (log_n - math.log(3e9)) ** 2
+  assert minima(log_n, far[:, None])[2][0] == "edge"
+  wave = np.array([2.0, 1.9, 2.5, 1.95, 2.0])  # lowest inside, the parabola through them opens downward
+  loss, log_opt, kind = minima(log_n, wave[:, None])
+  assert kind[0] == "best_point" and loss[0] == 1.9 and log_opt[0] == log_n[1]
+  assert minima(np.array([np.nan]), np.array([[2.7]]))[2][0] == "given"
+  assert minima(log_n[:2], np.array([[2.0], [2.1]]))[2][0] == "edge"
+  # Replicates in columns: the same answers, one per column.
+  both = minima(log_n, np.stack([mean, far], 1))
+  assert list(both[2]) == ["parabola", "edge"]
+
+
+def test_noise_pools_seed_variance_within_cells():
+  points = [{"method": "m", "flops": 1e19, "params": n, "loss": x, "seed": s}
+            for n, xs in ((1e8, (2.0, 2.2)), (2e8, (3.0, 3.1, 3.2))) for s, x in enumerate(xs)]
+  sd, dof = noise(points)
+  assert dof == 3 and sd == pytest.approx(math.sqrt((0.02 + 0.02) / 3))
+  assert noise(points[:1] + points[2:3]) == (None, 0)
 
 
 def test_frontier_inverse_and_fit():
@@ -100,12 +153,15 @@ def test_frontier_inverse_and_fit():
   assert fit.frontier_compute(params, fit.frontier_loss(params, c)) == pytest.approx(c, rel=1e-9)
   assert fit.frontier_compute(params, 1.7) == math.inf and fit.frontier_compute(params, 1.5) == math.inf
   assert fit.frontier_compute(params, 2.6) == pytest.approx(1e19)
-  got = fit.fit_frontier(BUDGETS, fit.frontier_loss(params, BUDGETS), c0=1e19)
+  got = fit.fit_frontier(BUDGETS, fit.frontier_loss(params, BUDGETS), c0=1e19)  # 5 budgets: E fitted
   assert got["fixed"] == [] and got["E"] == pytest.approx(1.7, abs=1e-4)
   assert got["alpha"] == pytest.approx(0.15, rel=1e-3) and got["A"] == pytest.approx(0.9, rel=1e-3)
   two = fit.fit_frontier(BUDGETS[:2], [3.0, 2.8])
   assert two["fixed"] == ["E"] and two["E"] == 0
   assert fit.frontier_loss(two, BUDGETS[:2]) == pytest.approx([3.0, 2.8])
+  three = fit.fit_frontier(BUDGETS[:3], [3.0, 2.8, 2.7])  # fewer than 5 budgets: E = 0, least squares on ln L
+  slope, intercept = np.polyfit(np.log(BUDGETS[:3] / three["c0"]), np.log([3.0, 2.8, 2.7]), 1)
+  assert three["fixed"] == ["E"] and three["alpha"] == pytest.approx(-slope) and three["A"] == pytest.approx(math.exp(intercept))
   with pytest.raises(ValueError, match="two or more budgets"):
     fit.fit_frontier([1e19, 1e19], [3.0, 2.9])
 
@@ -124,6 +180,7 @@ def test_read_points(tmp_path):
       "method,flops,params,tokens,loss\nbaseline,1e18,1e8,1e9,3\nbaseline,lots,1e8,1e9,3\n": r"line 3, column 'flops'",
       "# c\nmethod,flops,params,tokens,loss\nbaseline,1e18,1e8,1e9,-3\n": r"line 3, column 'loss'.*> 0",
       "method,flops,params,tokens,loss\nbaseline,1e18,1e8,1e9\n": r"line 2: 4 fields",
+      "method,flops,params,tokens,loss\nbaseline,1e18,1e8,1e9,3\nncp,1e18,1e8,1e9,3,7\n": r"line 3: 6 fields but the header has 5",
   }
   for i, (text, message) in enumerate(bad.items()):
     path = tmp_path / f"bad{i}.csv"
@@ -133,19 +190,35 @@ def test_read_points(tmp_path):
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
-def test_thousand_points_with_bootstrap_under_30s(tmp_path):
+def test_both_conventions_and_a_refit_that_rewrites_nothing(tmp_path):
+  """With lm_head_flops, C without the head is fitted too (the minimum's C interpolated along the profile);
+  1,000 points with 100 replicates (E fitted: scipy per replicate) fit in seconds; a refit leaves the files."""
   rng = np.random.default_rng(2)
   points = ladder("baseline", 1.0, rng, sizes=10, seeds=10) + ladder("ncp", 1.3, rng, sizes=10, seeds=10)
-  assert len(points) == 1000
+  for p in points:  # a head costing 6 d V per token with d ~ N^(1/3): a larger share at smaller N
+    p["lm_head_flops"] = 6 * 2 * p["params"] ** (1 / 3) * 5_000 * p["tokens"]
+  assert len(points) == 1000 and all(p["lm_head_flops"] < p["flops"] for p in points)
   start = time.perf_counter()
-  result = fit.fit_ladder(points, n_boot=100, notes={"convention": "C = 6ND"})
+  result = fit.fit_ladder(points, n_boot=100, notes={"flops": "C = 6ND"})
   elapsed = time.perf_counter() - start
-  assert elapsed < 30, f"fit_ladder of 1,000 points took {elapsed:.1f}s"
-  assert result["n_boot"] == 100 and result["convention"] == "C = 6ND" and result["methods"]["ncp"]["parametric"]
+  assert elapsed < 60, f"fit_ladder of 1,000 points took {elapsed:.1f}s"
+  assert set(result["conventions"]) == {"with_lm_head", "without_lm_head"} and result["parametric"]["ncp"]["fit"]
+  for x in result["minima"]["baseline"]:  # the minimum's C without the head: between its neighbours' along the profile
+    cell = sorted((p["params"], p["flops"] - p["lm_head_flops"]) for p in points
+                  if p["method"] == "baseline" and fit.budget_of(p) == x["budget"])
+    below = max(c for n, c in cell if n <= x["params_opt"])
+    above = min(c for n, c in cell if n >= x["params_opt"])
+    assert min(below, above) <= x["flops"]["without_lm_head"] <= max(below, above)
+    flops = {p["flops"] for p in points if p["method"] == "baseline" and fit.budget_of(p) == x["budget"]}
+    assert len(flops) == 1 and x["flops"]["with_lm_head"] == pytest.approx(flops.pop(), rel=1e-5)
   json_path, md_path = fit.write_fit(result, str(tmp_path / "out"))
   assert json.load(open(json_path)) == result
   report = open(md_path).read()
-  assert "| ncp | 1e+18 |" in report and "| baseline |" in report and "multiplier" in fit.table(result)
+  assert "FLOPs without the LM head" in report and "| 1e+18 | ncp |" in report and "Pooled" in fit.table(result)
+  stamps = [os.stat(p).st_mtime_ns for p in (json_path, md_path)]
+  time.sleep(0.01)
+  fit.write_fit(fit.fit_ladder(points, n_boot=100, notes={"flops": "C = 6ND"}), str(tmp_path / "out"))
+  assert [os.stat(p).st_mtime_ns for p in (json_path, md_path)] == stamps
 
 
 def test_fit_imports_without_jax():
@@ -161,7 +234,12 @@ def test_plot_ladder_writes_two_pngs(tmp_path):
   from latent_jax.ladder.plot import plot_ladder
   points = ladder("baseline", 1.0, np.random.default_rng(3), sizes=5, seeds=1)
   points += ladder("ncp", 1.5, np.random.default_rng(4), sizes=5, seeds=1)
-  paths = plot_ladder(points, fit.fit_ladder(points, n_boot=5), str(tmp_path))
-  assert [os.path.basename(p) for p in paths] == ["isoflop.png", "frontier.png"]
-  for path in paths:
-    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(path) > 10_000
+  lines = plot_ladder(points, fit.fit_ladder(points, n_boot=5), str(tmp_path))
+  assert lines == [f"wrote {tmp_path / 'isoflop.png'}", f"wrote {tmp_path / 'frontier.png'}"]
+  for name in ("isoflop.png", "frontier.png"):
+    assert open(tmp_path / name, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(tmp_path / name) > 10_000
+  # Points without sizes (a paper's table of minima): no empty IsoFLOP panel, a line saying why.
+  table = [{"method": "ncp", "flops": c, "params": math.nan, "tokens": math.nan, "loss": 3 * (c / 1e19) ** -0.05, "seed": 0}
+           for c in BUDGETS]
+  lines = plot_ladder(table, fit.fit_ladder(table, reference="ncp"), str(tmp_path / "table"))
+  assert "isoflop.png not drawn: the points give no sizes" in lines[0] and not os.path.exists(tmp_path / "table" / "isoflop.png")

@@ -42,7 +42,7 @@ FIT_FLAGS = [OPTIONAL_CONFIG, cli.Flag("workdir", str, "", "the ladder's folder 
              cli.Flag("points", str, "", "a CSV of points to fit instead of a ladder's results"),
              cli.Flag("out", str, "", "folder for the output; default: the workdir (with --points: the CSV's folder)"),
              cli.Flag("reference", str, "", "the reference method; default: the ladder's, or 'baseline'"),
-             cli.Flag("bootstrap", int, 100, "bootstrap replicates for the intervals", lambda n: n >= 0, ">= 0")]
+             cli.Flag("bootstrap", int, 1000, "bootstrap replicates for the intervals", lambda n: n >= 0, ">= 0")]
 FLAGS["fit"] = FLAGS["plot"] = FIT_FLAGS
 
 
@@ -81,14 +81,15 @@ def fit_inputs(args):
   if not done:
     raise ValueError(f"no finished points yet in {results_dir(ladder, args.workdir)}; run the ladder first "
                      "(python -m latent_jax.ladder run ...).")
-  pts = [{"method": r["method"], "flops": r["flops"], "params": r["params"], "tokens": r["tokens"],
-          "loss": r["val_loss"], "seed": r["seed"], "budget": r["budget"]} for r in done]
-  convention = ("training FLOPs with the LM head's matmul" if ladder.count_lm_head else
-                "training FLOPs without the LM head's matmul (NCP's C = F_tok x D)")
-  notes = {"flops": convention, "params": "non-embedding parameters of the inference model",
+  # flops with the LM head, whichever convention set the budgets; both conventions are fitted from them.
+  pts = [{"method": r["method"], "flops": r["flops"] + (0 if ladder.count_lm_head else r["lm_head_flops"]),
+          "lm_head_flops": r["lm_head_flops"], "params": r["params"], "tokens": r["tokens"], "loss": r["val_loss"],
+          "seed": r["seed"], "budget": r["budget"]} for r in done]
+  notes = {"budgets": "set " + ("with" if ladder.count_lm_head else "without") + " the LM head's FLOPs",
+           "params": "non-embedding parameters of the inference model",
            "loss": "validation loss, nats/token, the whole held-out split of " + ladder.data,
            "points": f"{len(done)} finished points recorded"}
-  return pts, args.reference or ladder.reference, args.out or results_dir(ladder, args.workdir), notes
+  return pts, args.reference or ladder.reference, args.out or args.workdir, notes
 
 
 def main(argv=None):
@@ -103,6 +104,11 @@ def main(argv=None):
     args = cli.parse(__doc__, FLAGS[command], rest)
     if command in ("fit", "plot"):
       from latent_jax.ladder import fit
+      if command == "plot":
+        try:
+          import matplotlib  # noqa: F401  (before the fit: a missing extra is one line, not a traceback)
+        except ImportError:
+          raise ValueError('plot needs matplotlib: pip install -e ".[experiments]"') from None
       pts, reference, out, notes = fit_inputs(args)
       result = fit.fit_ladder(pts, reference=reference, n_boot=args.bootstrap, notes=notes)
       if command == "fit":
@@ -111,8 +117,8 @@ def main(argv=None):
         print(f"wrote {os.path.join(out, 'fit.json')} and {os.path.join(out, 'fit.md')}")
       else:
         from latent_jax.ladder.plot import plot_ladder
-        for path in plot_ladder(pts, result, out):
-          print(f"wrote {path}")
+        for line in plot_ladder(pts, result, out):
+          print(line)
       return
     if command in ("tune", "run"):
       from latent_jax.ladder.run import run

@@ -1,14 +1,24 @@
-"""Scaling-ladder fits: IsoFLOP minima, compute frontiers, the parametric law, and compute multipliers.
+"""Scaling-ladder fits: raw IsoFLOP minima with paired seed differences, then pooled compute multipliers.
 
 Plain numpy/scipy functions of points, so `python -m latent_jax.ladder fit --points FILE.csv` runs without
 jax or any training code. A point is a dict: method, flops (training compute C), params (non-embedding N,
-NaN when unknown), tokens (D, NaN when unknown), loss (validation nats/token), seed (default 0) and optionally
-budget (the planned budget it belongs to; without it, flops rounded to 2 significant digits).
+NaN when unknown), tokens (D, NaN when unknown), loss (validation nats/token), seed (default 0), and
+optionally budget (the planned budget it belongs to; without it, flops rounded to 2 significant digits)
+and lm_head_flops (the LM head's share of flops: then both FLOPs conventions are fitted).
 
-Following Hoffmann et al. 2022 ("Training Compute-Optimal Large Language Models"): approach 2 fits a parabola
-in log N to each IsoFLOP profile and a frontier L(C) = E + A (C/c0)^-alpha through the minima; approach 3 fits
-L(N, D) = E + A/N^a + B/D^b to every point. A method's compute multiplier at budget C is
-M = C_ref(L_m(C)) / C: the reference needs M times the compute to reach the loss the method reaches at C.
+What is reported, in this order (docs/ladder.md):
+1. Per method and budget, the IsoFLOP minimum (Hoffmann et al. 2022, approach 2) of the seed-mean profile:
+   the vertex of a parabola in ln N where the lowest mean is inside the sizes, else flagged "edge" (not
+   bracketed, left out of the multipliers); and the paired difference to the reference, seed by seed,
+   with its standard error over seeds.
+2. One pooled multiplier per method and convention: M such that the reference frontier at M C meets the
+   method's bracketed minima (the geometric mean over budgets of C_ref(L_m(C_b)) / C_b). The reference
+   frontier L(C) = E + A (C/c0)^-alpha fits E only from MIN_BUDGETS_FOR_E budgets; below that E = 0.
+3. Per-budget multipliers only from MIN_BUDGETS_PER_BUDGET budgets; the parametric L(N, D) only from
+   MIN_POINTS_PER_PARAMETER points per parameter; otherwise a line says why they are left out.
+Intervals come from seed noise: a parametric bootstrap that redraws every (method, budget, size) mean
+from the pooled seed variance of its method (its own uncertainty drawn too), and refits. With one seed
+per point there is no noise estimate and no interval.
 """
 import contextlib
 import csv
@@ -26,11 +36,12 @@ except ImportError:  # optional: the fits are the same without it, only slower o
   ThreadpoolController = None
 
 COLUMNS = ("method", "flops", "params", "tokens", "loss")
-OPTIONAL = ("seed", "budget")
+OPTIONAL = ("seed", "budget", "lm_head_flops")
 HUBER_DELTA = 1e-3  # Hoffmann et al. 2022, approach 3
-CONVENTION = ("M = C_ref(L_m(C_b)) / C_b: the reference reaches, at M * C_b, the loss the method reaches at C_b "
-              "(M > 1: the method is better); delta_loss = L_m(C_b) - L_ref(C_b), both on the fitted frontiers; "
-              "C in FLOPs, N non-embedding parameters, loss in nats/token; 95% intervals: paired bootstrap.")
+MIN_BUDGETS_FOR_E = 5  # E, A and alpha from fewer budgets pass through every minimum and say nothing
+MIN_BUDGETS_PER_BUDGET = 5  # a multiplier per budget (and a trend) needs this many budgets
+MIN_POINTS_PER_PARAMETER = 5  # the parametric law's 5 parameters need 25 distinct (N, D)
+SIGNIFICANT = 6  # digits kept in fit.json: a refit of the same points writes the same bytes
 
 
 @functools.cache
@@ -58,13 +69,15 @@ def _number(text, path, line, column, hint):
 
 
 def read_points(path):
-  """Points from a CSV with columns method,flops,params,tokens,loss (optional seed, budget; '#' lines skipped)."""
+  """Points from a CSV with columns method,flops,params,tokens,loss (optional seed, budget, lm_head_flops;
+  other columns are kept out; '#' lines skipped)."""
   hints = {
       "flops": "write the training compute in FLOPs, e.g. 1.2e18",
       "params": "write the non-embedding parameter count, or leave it empty when unknown",
       "tokens": "write the number of training tokens, or leave it empty when unknown",
       "loss": "write the validation loss in nats/token (> 0)",
       "budget": "write the planned budget in FLOPs, or leave it empty to group by flops",
+      "lm_head_flops": "write the LM head's FLOPs within flops, or leave it empty",
   }
   header, points = None, []
   with open(path, newline="") as f:
@@ -79,9 +92,9 @@ def read_points(path):
             raise ValueError(f"{path}, line {line}: the header has no column '{column}'; it must name "
                              f"{','.join(COLUMNS)} (optional {','.join(OPTIONAL)})")
         continue
-      if len(fields) < len(header):
+      if len(fields) != len(header):
         raise ValueError(f"{path}, line {line}: {len(fields)} fields but the header has {len(header)}; "
-                         "write one value per column (empty for unknown params/tokens)")
+                         "write one value per column (empty for unknown params/tokens; quote a field with a comma)")
       row = dict(zip(header, fields))
       if not row["method"]:
         raise ValueError(f"{path}, line {line}, column 'method': empty; name the method, e.g. baseline")
@@ -96,15 +109,14 @@ def read_points(path):
       except ValueError:
         raise ValueError(f"{path}, line {line}, column 'seed': {seed!r} is not an integer; "
                          "write the run's seed, e.g. 0") from None
-      if row.get("budget"):
-        point["budget"] = _number(row["budget"], path, line, "budget", hints["budget"])
+      for column in ("budget", "lm_head_flops"):
+        if row.get(column):
+          point[column] = _number(row[column], path, line, column, hints[column])
       points.append(point)
   if not points:
     raise ValueError(f"{path}: no points; write a header line {','.join(COLUMNS)} and one line per run")
   return points
 
-
-# ----------------------------------------------------------------------------- IsoFLOP minima (approach 2)
 
 def budget_of(point):
   """The budget a point belongs to: its planned budget, else its flops rounded to 2 significant digits."""
@@ -114,63 +126,82 @@ def budget_of(point):
   return float(budget)
 
 
-def _group(points):
-  """One budget's points, ordered by size (known N ascending, then each point of unknown N alone) and seed.
+def conventions(points):
+  """{name: C of a point}: the FLOPs as given, and without the LM head where every point has lm_head_flops."""
+  if all("lm_head_flops" in p for p in points):
+    bad = [p for p in points if not 0 <= p["lm_head_flops"] < p["flops"]]
+    if bad:
+      raise ValueError(f"lm_head_flops {bad[0]['lm_head_flops']:.4g} is not below the point's flops "
+                       f"{bad[0]['flops']:.4g} ({bad[0]['method']}); lm_head_flops is the LM head's share of flops")
+    return {"with_lm_head": lambda p: p["flops"], "without_lm_head": lambda p: p["flops"] - p["lm_head_flops"]}
+  return {"flops": lambda p: p["flops"]}
 
-  The order makes bootstrap draws pair the same (size, seed) across methods trained on the same grid.
-  """
+
+# ----------------------------------------------------------------------------- IsoFLOP profiles and minima
+
+def profile(points, compute):
+  """One method's points at one budget as a table: log N of its sizes (ascending; each point of unknown N a
+  size of its own), seeds, loss [sizes, seeds] (NaN where a seed is missing) and ln C per size (mean over seeds)."""
   known = sorted({p["params"] for p in points if not math.isnan(p["params"])})
-  cell = {n: i for i, n in enumerate(known)}
-  size, unknown = [], 0
-  for p in points:
-    size.append(cell.get(p["params"], len(known) + unknown))
-    unknown += math.isnan(p["params"])
-  order = sorted(range(len(points)), key=lambda i: (size[i], points[i].get("seed", 0)))
-  return {
-      "budget": budget_of(points[0]),
-      "flops": float(np.exp(np.mean(np.log([p["flops"] for p in points])))),
-      "log_n": np.log(known + [math.nan] * unknown),
-      "size": np.array([size[i] for i in order]),
-      "loss": np.array([points[i]["loss"] for i in order]),
-  }
+  keys = [p["params"] if not math.isnan(p["params"]) else ("unknown", i) for i, p in enumerate(points)]
+  sizes = known + [k for k in keys if isinstance(k, tuple)]
+  seeds = sorted({p.get("seed", 0) for p in points})
+  loss = np.full((len(sizes), len(seeds)), np.nan)
+  log_c = np.zeros((len(sizes), len(seeds)))
+  for key, p in zip(keys, points):
+    i, j = sizes.index(key), seeds.index(p.get("seed", 0))
+    loss[i, j], log_c[i, j] = p["loss"], math.log(compute(p))
+  count = (~np.isnan(loss)).sum(1)
+  return {"log_n": np.log([s if not isinstance(s, tuple) else math.nan for s in sizes]), "seeds": seeds,
+          "loss": loss, "log_c": np.where(~np.isnan(loss), log_c, 0).sum(1) / count, "count": count}
 
 
-def _minimum(log_n, mean_loss):
-  """Vertex of loss = c2 (ln N)^2 + c1 ln N + c0 over the known sizes (Hoffmann et al. 2022, approach 2)."""
-  known = ~np.isnan(log_n)
-  if np.unique(log_n[known]).size >= 3:
-    centre = log_n[known].mean()  # centring keeps polyfit well conditioned at ln N ~ 20
-    c2, c1, c0 = np.polyfit(log_n[known] - centre, mean_loss[known], 2)
-    vertex = -c1 / (2 * c2) if c2 > 0 else math.nan
-    # A parabola opening downward, or with its vertex beyond the sampled sizes, extrapolates: use the best point.
-    if log_n[known].min() - centre <= vertex <= log_n[known].max() - centre:
-      return {"params_opt": math.exp(vertex + centre), "loss_opt": c0 - c1 ** 2 / (4 * c2), "kind": "parabola",
-              "curvature": c2}
-  best = int(np.argmin(mean_loss))
-  return {"params_opt": math.exp(log_n[best]), "loss_opt": float(mean_loss[best]), "kind": "best_point",
-          "curvature": None}
+def minima(log_n, mean):
+  """IsoFLOP minima of profiles: mean [sizes, R] (R replicates) -> (loss_opt [R], ln N_opt [R], kind [R]).
 
-
-def _group_minimum(group, pick=None):
-  """IsoFLOP minimum of a `_group` (or of the points `pick` drawn from it), with seeds averaged per size first."""
-  size, loss = (group["size"], group["loss"]) if pick is None else (group["size"][pick], group["loss"][pick])
-  count = np.bincount(size, minlength=len(group["log_n"]))
-  drawn = count > 0
-  mean_loss = np.bincount(size, weights=loss, minlength=len(count))[drawn] / count[drawn]
-  return {"budget": group["budget"], "flops": group["flops"], **_minimum(group["log_n"][drawn], mean_loss),
-          "n_sizes": int(drawn.sum()), "n_points": len(size)}
-
-
-def isoflop_minimum(points):
-  """Minimum of one method's IsoFLOP profile at one budget (Hoffmann et al. 2022, approach 2).
-
-  Losses are averaged over seeds per N; with >= 3 distinct N, the vertex of a parabola in ln N ("parabola",
-  loss = loss_opt + curvature (ln N - ln params_opt)^2), else, or when that vertex is not a minimum inside the
-  sampled N, the size with the lowest mean loss ("best_point"). flops is the geometric mean of the points' flops.
+  kind: "parabola" (the vertex of loss = c2 ln N^2 + c1 ln N + c0 through the sizes, a minimum between the
+  smallest and largest, with the lowest mean inside them: Hoffmann et al. 2022, approach 2), "best_point"
+  (the lowest mean is inside the sizes but the parabola is not a minimum there), "edge" (the lowest mean
+  is at the smallest or largest size: not bracketed) or "given" (one size: a table of minima).
   """
-  if not points:
-    raise ValueError("isoflop_minimum needs at least one point")
-  return _group_minimum(_group(points))
+  mean = np.asarray(mean, float)
+  best = np.argmin(mean, axis=0)
+  cols = np.arange(mean.shape[1])
+  loss, log_opt = mean[best, cols], log_n[best]
+  n = mean.shape[0]
+  if n == 1:
+    return loss, log_opt, np.full(mean.shape[1], "given")
+  kind = np.where((best == 0) | (best == n - 1), "edge", "best_point")
+  if n >= 3 and not np.isnan(log_n).any():
+    centre = log_n.mean()  # centring keeps the fit well conditioned at ln N ~ 20
+    c2, c1, c0 = np.polyfit(log_n - centre, mean, 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+      vertex = -c1 / (2 * c2)
+    ok = (kind == "best_point") & (c2 > 0) & (vertex >= log_n.min() - centre) & (vertex <= log_n.max() - centre)
+    loss = np.where(ok, c0 - c1 ** 2 / (4 * np.where(ok, c2, 1)), loss)
+    log_opt = np.where(ok, vertex + centre, log_opt)
+    kind = np.where(ok, "parabola", kind)
+  return loss, log_opt, kind
+
+
+def _log_c_at(prof, log_opt):
+  """ln C of the profile at ln N_opt: interpolated between its sizes (the FLOPs of a convention that the
+  budget did not hold fixed vary along the profile); the mean where N is unknown."""
+  if np.isnan(prof["log_n"]).any():
+    return np.full(np.shape(log_opt), prof["log_c"].mean())
+  return np.interp(log_opt, prof["log_n"], prof["log_c"])
+
+
+def noise(points):
+  """Pooled seed variance of one method's losses within its (budget, size) cells: (sd, degrees of freedom);
+  (None, 0) without two seeds in any cell."""
+  cells = {}
+  for p in points:
+    cells.setdefault((budget_of(p), p["params"] if not math.isnan(p["params"]) else id(p)), []).append(p["loss"])
+  dof = sum(len(v) - 1 for v in cells.values())
+  if dof == 0:
+    return None, 0
+  return math.sqrt(sum(((np.array(v) - np.mean(v)) ** 2).sum() for v in cells.values()) / dof), dof
 
 
 # ----------------------------------------------------------------------------- the compute frontier
@@ -199,37 +230,41 @@ def _frontier_objective(theta, log_c, log_l):
   return (r ** 2).sum(-1), grad
 
 
-def fit_frontier(flops, losses, c0=None, start=None):
+def power_law(log_c, log_l, c0):
+  """L = A (C/c0)^-alpha by least squares on ln L (E fixed at 0), for replicates: log_c, log_l [budgets, R]
+  -> (A [R], alpha [R])."""
+  x = np.asarray(log_c) - math.log(c0)
+  xm, ym = x.mean(0), np.asarray(log_l).mean(0)
+  slope = ((x - xm) * (log_l - ym)).sum(0) / ((x - xm) ** 2).sum(0)
+  return np.exp(ym - slope * xm), -slope
+
+
+def fit_frontier(flops, losses, c0=None, fit_e=None):
   """Fit L(C) = E + A (C/c0)^-alpha to IsoFLOP minima by least squares on log L (Hoffmann et al. 2022, approach 2).
 
   Returns {"E", "A", "alpha", "c0", "fixed"}: A is for C normalised by c0 (the geometric mean of `flops` unless
-  given), which keeps A and the fit well conditioned. Three or more budgets: L-BFGS-B with E in [0, min loss),
-  alpha in (0, 2], started from the best few of a grid over (E, alpha), or from `start` (a frontier, e.g. the full
-  fit for a bootstrap replicate) alone. Two budgets cannot pin three parameters: E is fixed at 0 (a local power
-  law through both minima; "fixed": ["E"]). One budget raises ValueError.
+  given). E is fitted (L-BFGS-B, E in [0, min loss), alpha in (0, 2], from the best few of a grid) only with
+  MIN_BUDGETS_FOR_E or more budgets (or when fit_e says so); otherwise E = 0, a power law ("fixed": ["E"]).
+  Fewer than two budgets, or a loss that does not fall with compute under E = 0, raise ValueError.
   """
   flops, losses = np.asarray(flops, dtype=float), np.asarray(losses, dtype=float)
   n_budgets = np.unique(flops).size
   if n_budgets < 2:
-    raise ValueError(f"a compute frontier needs IsoFLOP minima at two or more budgets, got {n_budgets}; "
-                     "add budgets to the ladder")
+    raise ValueError(f"a compute frontier needs minima at two or more budgets, got {n_budgets}")
   c0 = float(np.exp(np.mean(np.log(flops)))) if c0 is None else float(c0)
   log_c, log_l = np.log(flops / c0), np.log(losses)
-  if n_budgets == 2:
-    slope, intercept = np.polyfit(log_c, log_l, 1)
-    if slope >= 0:
-      raise ValueError("the loss does not fall with compute between the two budgets; check the points or add budgets")
-    return {"E": 0.0, "A": float(np.exp(intercept)), "alpha": float(-slope), "c0": c0, "fixed": ["E"]}
+  if not (n_budgets >= MIN_BUDGETS_FOR_E if fit_e is None else fit_e):
+    a, alpha = power_law(np.log(flops)[:, None], log_l[:, None], c0)
+    if alpha[0] <= 0:
+      raise ValueError("the loss does not fall with compute across the budgets")
+    return {"E": 0.0, "A": float(a[0]), "alpha": float(alpha[0]), "c0": c0, "fixed": ["E"]}
   e_max = losses.min() * (1 - 1e-9)
-  if start is None:
-    e, alpha = (x.ravel() for x in np.meshgrid(e_max * np.array([0, .3, .5, .7, .8, .9, .95, .99]),
-                                               np.array([.02, .05, .1, .2, .35, .5, .8, 1.2])))
-    # For a given (E, alpha), ln A is the mean offset of ln(L - E) + alpha ln C: a start already on the data.
-    log_a = np.mean(np.log(losses - e[:, None]) + alpha[:, None] * log_c, axis=1)
-    starts = np.stack([e, log_a, alpha], -1)
-    starts = starts[np.argsort(_frontier_objective(starts, log_c, log_l)[0])[:3]]
-  else:
-    starts = [[min(start["E"], e_max), math.log(start["A"] * (c0 / start["c0"]) ** start["alpha"]), start["alpha"]]]
+  e, alpha = (x.ravel() for x in np.meshgrid(e_max * np.array([0, .3, .5, .7, .8, .9, .95, .99]),
+                                             np.array([.02, .05, .1, .2, .35, .5, .8, 1.2])))
+  # For a given (E, alpha), ln A is the mean offset of ln(L - E) + alpha ln C: a start already on the data.
+  log_a = np.mean(np.log(losses - e[:, None]) + alpha[:, None] * log_c, axis=1)
+  starts = np.stack([e, log_a, alpha], -1)
+  starts = starts[np.argsort(_frontier_objective(starts, log_c, log_l)[0])[:3]]
   # The objective is ~1e-6 for a good fit: tolerances far below scipy's defaults, which are relative to 1.
   with _one_blas_thread():
     fits = [minimize(_frontier_objective, x0, args=(log_c, log_l), jac=True, method="L-BFGS-B",
@@ -259,22 +294,34 @@ def _parametric_objective(theta, u, v, log_l):
   return huber.sum(-1) / HUBER_DELTA, grad
 
 
+def parametric_note(params, tokens):
+  """Why the parametric law is not fitted to these points (None when it is)."""
+  params, tokens = np.asarray(params, float), np.asarray(tokens, float)
+  known = ~(np.isnan(params) | np.isnan(tokens))
+  cells = len({(n, d) for n, d in zip(params[known], tokens[known])})
+  need = 5 * MIN_POINTS_PER_PARAMETER
+  if cells < need:
+    return (f"{cells} distinct (N, D) with both known, fewer than {need} ({MIN_POINTS_PER_PARAMETER} per parameter "
+            "of E + A/N^a + B/D^b): not identifiable from these points")
+  u, v = np.log(params[known]), np.log(tokens[known])
+  if np.unique(u).size < 3 or np.unique(v).size < 3 or abs(np.corrcoef(u, v)[0, 1]) > 1 - 1e-6:
+    return "N and D do not vary independently (one IsoFLOP profile): a and b cannot be told apart"
+  return None
+
+
 def fit_parametric(params, tokens, losses):
   """Fit L(N, D) = E + A/N^a + B/D^b with a Huber loss on ln L (Hoffmann et al. 2022, approach 3, delta 1e-3).
 
-  Uses the points with known N and D. Returns None unless there are >= 5 of them with >= 3 distinct N, >= 3
-  distinct D, and ln N, ln D not collinear (one IsoFLOP profile alone, D = C/6N, cannot separate a from b).
-  Otherwise {"E", "A", "a", "B", "b", "huber" (the summed Huber loss), "n_points"}: L-BFGS-B from the 5 best
-  of a grid of 4^5 starts, in ln N and ln D centred on their means so that ln A and a are not entangled.
+  Uses the points with known N and D; None where `parametric_note` says why not. Otherwise {"E", "A", "a",
+  "B", "b", "huber" (the summed Huber loss), "n_points"}: L-BFGS-B from the 5 best of a grid of 4^5 starts,
+  in ln N and ln D centred on their means so that ln A and a are not entangled.
   """
   params, tokens, losses = (np.asarray(x, dtype=float) for x in (params, tokens, losses))
+  if parametric_note(params, tokens):
+    return None
   known = ~(np.isnan(params) | np.isnan(tokens))
   n, d, loss = params[known], tokens[known], losses[known]
-  if n.size < 5 or np.unique(n).size < 3 or np.unique(d).size < 3:
-    return None
   u, v = np.log(n) - np.log(n).mean(), np.log(d) - np.log(d).mean()
-  if np.linalg.matrix_rank(np.stack([u, v], 1), tol=1e-6 * max(np.abs(u).max(), np.abs(v).max())) < 2:
-    return None
   log_l, floor = np.log(loss), loss.min()
   grid = np.meshgrid(np.log(floor * np.array([.3, .6, .8, .95])), np.log(floor * np.array([.03, .1, .3, 1])),
                      np.array([.15, .3, .5, .8]), np.log(floor * np.array([.03, .1, .3, 1])),
@@ -294,33 +341,144 @@ def fit_parametric(params, tokens, losses):
 
 # ----------------------------------------------------------------------------- the ladder
 
-def _resampled_frontier(groups, u, budgets, full):
-  """The frontier of one bootstrap replicate (each budget's points drawn by u[budget, slot]), started from `full`."""
-  minima = []
-  for g in groups:
-    n = len(g["loss"])
-    minima.append(_group_minimum(g, (u[budgets.index(g["budget"]), :n] * n).astype(int))["loss_opt"])
-  front = fit_frontier([g["flops"] for g in groups], minima, c0=full["c0"], start=full)
-  if not all(math.isfinite(front[k]) for k in ("E", "A", "alpha")):
-    raise ValueError("the frontier of a bootstrap replicate is not finite")
-  return front
-
-
 def _interval(values):
-  """2.5 and 97.5 percentiles (order statistics, so replicates with M = inf stay inf)."""
-  if not len(values):
-    return [math.nan, math.nan]
+  """2.5 and 97.5 percentiles (order statistics, so replicates with M = inf stay inf); None without replicates."""
+  values = np.asarray(values, float)
+  if values.size == 0:
+    return None
   return [float(x) for x in np.percentile(values, [2.5, 97.5], method="inverted_cdf")]
 
 
-def _compare(front, ref, budget):
-  """The multiplier C_ref(L_m(C)) / C and the loss difference L_m(C) - L_ref(C) at budget C."""
-  loss = float(frontier_loss(front, budget))
-  return float(frontier_compute(ref, loss)) / budget, loss - float(frontier_loss(ref, budget))
+def _multipliers(front, log_c, loss):
+  """ln of C_ref(L_m) / C_m per budget: log_c, loss [budgets, R]; front has E [R], A [R], alpha [R], c0."""
+  gap = loss - front["E"]
+  with np.errstate(divide="ignore", invalid="ignore"):
+    log_cref = math.log(front["c0"]) + (np.log(front["A"]) - np.log(gap)) / front["alpha"]
+  return np.where(gap > 0, log_cref - log_c, np.inf)
+
+
+def _replicate_frontier(log_c, loss, c0, fit_e):
+  """The reference frontier of each replicate: log_c, loss [budgets, R] -> {E, A, alpha} arrays [R], c0."""
+  if not fit_e:
+    a, alpha = power_law(log_c, np.log(loss), c0)
+    return {"E": np.zeros_like(a), "A": a, "alpha": alpha, "c0": c0}
+  fits = [fit_frontier(np.exp(log_c[:, r]), loss[:, r], c0=c0, fit_e=True) for r in range(loss.shape[1])]
+  return {k: np.array([f[k] for f in fits]) for k in ("E", "A", "alpha")} | {"c0": c0}
+
+
+def fit_ladder(points, reference="baseline", n_boot=1000, seed=0, notes=None):
+  """Raw minima, paired seed differences, pooled multipliers per FLOPs convention; intervals from seed noise.
+
+  Returns a JSON-safe dict (see module docstring and docs/ladder.md): reference, budgets, noise per method,
+  minima per method (each budget's minimum with its kind, the paired difference to the reference and its
+  standard error), per convention the reference frontier and each method's pooled multiplier with its 95%
+  interval (and per-budget multipliers with enough budgets), the parametric fits or why they are left out.
+  """
+  methods = sorted({p["method"] for p in points}, key=lambda m: (m != reference, m))
+  if reference not in methods:
+    raise ValueError(f"the reference method {reference!r} has no points (methods: {', '.join(methods)}); "
+                     "name the reference with --reference")
+  convs = conventions(points)
+  rng = np.random.default_rng(seed)
+  budgets = sorted({budget_of(p) for p in points})
+  by = {m: {b: [p for p in points if p["method"] == m and budget_of(p) == b] for b in budgets} for m in methods}
+  sd = {m: noise([p for p in points if p["method"] == m]) for m in methods}
+  boot = n_boot if all(s is not None for s, _ in sd.values()) else 0
+
+  # Per method and budget: the profile (in the first convention: sizes, seeds, losses are the same in each),
+  # its observed minimum, and the bootstrap's redrawn minima [R].
+  table, drawn = {m: [] for m in methods}, {m: {} for m in methods}
+  for m in methods:
+    s, dof = sd[m]
+    scale = s * np.sqrt(dof / rng.chisquare(dof, boot)) if boot else np.zeros(0)  # the variance's own uncertainty
+    for b in budgets:
+      if not by[m][b]:
+        continue
+      prof = {c: profile(by[m][b], compute) for c, compute in convs.items()}
+      first = next(iter(prof.values()))
+      mean = np.nanmean(first["loss"], 1)
+      loss, log_opt, kind = (x[0] for x in minima(first["log_n"], mean[:, None]))
+      redrawn = mean[:, None] + rng.standard_normal((mean.size, boot)) * scale / np.sqrt(first["count"])[:, None]
+      r_loss, r_log_opt, _ = minima(first["log_n"], redrawn) if boot else (np.zeros(0),) * 3
+      drawn[m][b] = {"loss": r_loss, "log_c": {c: _log_c_at(p, r_log_opt) for c, p in prof.items()}}
+      table[m].append({"budget": b, "loss": float(loss), "params_opt": float(np.exp(log_opt)), "kind": str(kind),
+                       "bracketed": str(kind) != "edge", "n_sizes": int(mean.size),
+                       "n_seeds": int(first["count"].max()), "flops": {c: float(np.exp(_log_c_at(p, log_opt)))
+                                                                        for c, p in prof.items()},
+                       "per_seed": {str(sd_): float(minima(first["log_n"], first["loss"][:, [j]])[0][0])
+                                    for j, sd_ in enumerate(first["seeds"]) if not np.isnan(first["loss"][:, j]).any()}})
+  for m in methods:  # the paired difference to the reference, seed by seed
+    ref = {x["budget"]: x for x in table[reference]}
+    for x in table[m]:
+      x["delta"] = None
+      if m != reference and x["budget"] in ref:
+        seeds = sorted(set(x["per_seed"]) & set(ref[x["budget"]]["per_seed"]))
+        d = np.array([x["per_seed"][s] - ref[x["budget"]]["per_seed"][s] for s in seeds])
+        x["delta"] = {"mean": float(d.mean()) if d.size else None, "n_seeds": int(d.size),
+                      "se": float(d.std(ddof=1) / math.sqrt(d.size)) if d.size >= 2 else None}
+
+  result_conventions = {}
+  for c in convs:
+    ref_rows = [x for x in table[reference] if x["bracketed"]]
+    entry = {"frontier": None, "frontier_note": None, "multipliers": {}}
+    result_conventions[c] = entry
+    if len(ref_rows) < 2:
+      entry["frontier_note"] = (f"{len(ref_rows)} bracketed minimum of {reference}: a frontier needs two; "
+                                "widen its sizes (max_sizes_per_budget) or add budgets")
+      continue
+    fit_e = len(ref_rows) >= MIN_BUDGETS_FOR_E
+    front = fit_frontier([x["flops"][c] for x in ref_rows], [x["loss"] for x in ref_rows], fit_e=fit_e)
+    entry["frontier"] = front
+    entry["frontier_note"] = (f"E, A and alpha fitted to {len(ref_rows)} bracketed minima" if fit_e else
+                              f"E fixed at 0 (a power law): {len(ref_rows)} bracketed minima, fewer than "
+                              f"{MIN_BUDGETS_FOR_E} to fit E")
+    if boot:
+      log_c = np.stack([drawn[reference][x["budget"]]["log_c"][c] for x in ref_rows])
+      r_front = _replicate_frontier(log_c, np.stack([drawn[reference][x["budget"]]["loss"] for x in ref_rows]),
+                                    front["c0"], fit_e)
+    for m in methods:
+      if m == reference:
+        continue
+      rows = [x for x in table[m] if x["bracketed"]]
+      left_out = [x["budget"] for x in table[m] if not x["bracketed"]]
+      mult = {"pooled": None, "ci": None, "budgets": [x["budget"] for x in rows], "left_out": left_out,
+              "per_budget": None}
+      entry["multipliers"][m] = mult
+      if not rows:
+        continue
+      one = lambda v: np.array([v])
+      log_m = _multipliers({k: one(v) if k != "c0" else v for k, v in front.items() if k != "fixed"},
+                           np.array([[math.log(x["flops"][c])] for x in rows]), np.array([[x["loss"]] for x in rows]))
+      mult["pooled"] = float(np.exp(log_m.mean()))
+      if boot:
+        r_log_m = _multipliers(r_front, np.stack([drawn[m][x["budget"]]["log_c"][c] for x in rows]),
+                               np.stack([drawn[m][x["budget"]]["loss"] for x in rows]))
+        mult["ci"] = _interval(np.exp(r_log_m.mean(0)))
+      if len(budgets) >= MIN_BUDGETS_PER_BUDGET:
+        mult["per_budget"] = [{"budget": x["budget"], "multiplier": float(np.exp(log_m[j, 0])),
+                               "ci": _interval(np.exp(r_log_m[j])) if boot else None} for j, x in enumerate(rows)]
+
+  parametric = {}
+  for m in methods:
+    mine = [p for p in points if p["method"] == m]
+    args = [p["params"] for p in mine], [p["tokens"] for p in mine]
+    parametric[m] = {"fit": fit_parametric(*args, [p["loss"] for p in mine]), "note": parametric_note(*args)}
+  for rows in table.values():
+    for x in rows:
+      del x["per_seed"]
+  return _plain({
+      "reference": reference, "budgets": budgets, "notes": dict(notes or {}), "n_boot": boot,
+      "noise": {m: {"sd": s, "dof": dof} if s is not None else None for m, (s, dof) in sd.items()},
+      "noise_note": None if boot else (", ".join(m for m, (s, _) in sd.items() if s is None) +
+                                       ": one seed per point, no noise estimate, so no intervals"),
+      "per_budget_note": (None if len(budgets) >= MIN_BUDGETS_PER_BUDGET else
+                          f"{len(budgets)} budgets, fewer than {MIN_BUDGETS_PER_BUDGET}: no multiplier per budget "
+                          "and no trend over compute, only the pooled one"),
+      "minima": table, "conventions": result_conventions, "parametric": parametric})
 
 
 def _plain(x):
-  """JSON-safe copy: Python floats and ints, non-finite floats as the strings "inf", "-inf", "nan"."""
+  """JSON-safe copy with SIGNIFICANT digits: Python floats and ints, non-finite floats as "inf", "-inf", "nan"."""
   if isinstance(x, dict):
     return {str(k): _plain(v) for k, v in x.items()}
   if isinstance(x, (list, tuple, np.ndarray)):
@@ -330,80 +488,8 @@ def _plain(x):
   if isinstance(x, (int, np.integer)):
     return int(x)
   if isinstance(x, (float, np.floating)):
-    return float(x) if math.isfinite(x) else str(float(x))
+    return float(f"{x:.{SIGNIFICANT}g}") if math.isfinite(x) else str(float(x))
   return x if x is None or isinstance(x, str) else str(x)
-
-
-def fit_ladder(points, reference="baseline", n_boot=100, seed=0, notes=None):
-  """Per method: IsoFLOP minima, frontier, parametric law; per budget: the compute multiplier over `reference`.
-
-  Intervals come from a paired bootstrap: each replicate resamples the points (sizes and seeds) of every budget
-  with replacement and refits every minimum and frontier (with the full fit's c0). The draws are made once per
-  budget as uniform numbers and mapped to each method's points in (size, seed) order, so methods trained on
-  the same sizes and seeds resample the same runs and their shared noise cancels in M. Replicates where a fit
-  fails are dropped and counted in "boot_failed". The parametric fit is not bootstrapped. `notes` (a dict, e.g.
-  the FLOPs convention) is kept as "notes"; its "convention" entry, else CONVENTION, becomes "convention".
-  The result is JSON-safe (see `_plain`).
-  """
-  methods = sorted({p["method"] for p in points}, key=lambda m: (m != reference, m))
-  if reference not in methods:
-    raise ValueError(f"the reference method {reference!r} has no points (methods: {', '.join(methods)}); "
-                     "name the reference with one of them")
-  groups = {}
-  for m in methods:
-    by_budget = {}
-    for p in points:
-      if p["method"] == m:
-        by_budget.setdefault(budget_of(p), []).append(p)
-    groups[m] = [_group(by_budget[b]) for b in sorted(by_budget)]
-  budgets = sorted({g["budget"] for m in methods for g in groups[m]})
-
-  fits = {}
-  for m in methods:
-    minima = [_group_minimum(g) for g in groups[m]]
-    try:
-      front = fit_frontier([x["flops"] for x in minima], [x["loss_opt"] for x in minima]) if len(minima) > 1 else None
-    except ValueError as e:
-      raise ValueError(f"method {m!r}: {e}") from None
-    mine = [p for p in points if p["method"] == m]
-    fits[m] = {"n_points": len(mine), "minima": minima, "frontier": front,
-               "parametric": fit_parametric([p["params"] for p in mine], [p["tokens"] for p in mine],
-                                            [p["loss"] for p in mine])}
-  fitted = [m for m in methods if fits[m]["frontier"] is not None]
-  compared = [m for m in fitted if m != reference and reference in fitted]
-
-  # One uniform draw per replicate, budget and slot; slot j is each method's j-th point in (size, seed) order.
-  slots = max(len(g["loss"]) for m in methods for g in groups[m])
-  boot = {m: [] for m in methods}
-  failed = 0
-  for u in np.random.default_rng(seed).random((n_boot, len(budgets), slots)):
-    try:
-      fronts = {m: _resampled_frontier(groups[m], u, budgets, fits[m]["frontier"]) for m in fitted}
-      compare = {m: [_compare(fronts[m], fronts[reference], g["budget"]) for g in groups[m]] for m in compared}
-    except (ValueError, np.linalg.LinAlgError):
-      failed += 1
-      continue
-    for m in fitted:
-      boot[m].append(([fronts[m][k] for k in ("E", "A", "alpha")], compare.get(m)))
-
-  for m in methods:
-    fit = fits[m]
-    fit["frontier_ci"], fit["comparison"] = None, []
-    if m in fitted:
-      samples = np.array([front for front, _ in boot[m]]).reshape(-1, 3)
-      fit["frontier_ci"] = {k: _interval(samples[:, j]) for j, k in enumerate(("E", "A", "alpha"))}
-    if m in compared:
-      samples = np.array([pairs for _, pairs in boot[m]]).reshape(-1, len(groups[m]), 2)
-      for j, g in enumerate(groups[m]):
-        multiplier, delta = _compare(fit["frontier"], fits[reference]["frontier"], g["budget"])
-        loss = float(frontier_loss(fit["frontier"], g["budget"]))
-        fit["comparison"].append({
-            "budget": g["budget"], "loss": loss, "reference_loss": loss - delta,
-            "multiplier": multiplier, "multiplier_ci": _interval(samples[:, j, 0]),
-            "delta_loss": delta, "delta_loss_ci": _interval(samples[:, j, 1])})
-  notes = dict(notes or {})
-  return _plain({"reference": reference, "budgets": budgets, "convention": notes.get("convention", CONVENTION),
-                 "notes": notes, "n_boot": n_boot, "boot_failed": failed, "seed": seed, "methods": fits})
 
 
 # ----------------------------------------------------------------------------- reports
@@ -424,62 +510,93 @@ def _with_ci(value, ci):
   return f"{_fmt(value)} [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else _fmt(value)
 
 
-def _tables(result):
-  """The report's two tables as (title, header, rows)."""
+LABELS = {"with_lm_head": "with the LM head", "without_lm_head": "without the LM head", "flops": "as given"}
+
+
+def _sections(result):
+  """The report as (title, lines before, header, rows) sections."""
+  ref = result["reference"]
   rows = []
-  for m, fit in result["methods"].items():
-    by_budget = {c["budget"]: c for c in fit["comparison"]}
-    for x in fit["minima"]:
-      c = by_budget.get(x["budget"])
-      versus = ["-", "-"]  # no comparison where a frontier is missing (a method or the reference with one budget)
-      if m == result["reference"]:
-        versus = ["ref", "ref"]
-      elif c:
-        versus = [_with_ci(c["multiplier"], c["multiplier_ci"]), _with_ci(c["delta_loss"], c["delta_loss_ci"])]
-      rows.append([m, _fmt(x["budget"], 3), _fmt(x["loss_opt"]), _fmt(x["params_opt"], 3), x["kind"]] + versus)
-  budgets = ("IsoFLOP minima and compute multipliers over " + result["reference"],
-             ["method", "budget C (FLOPs)", "loss at minimum", "N_opt", "minimum", "multiplier M [95% CI]",
-              "delta loss at equal C [95% CI]"], rows)
-  rows = []
-  for m, fit in result["methods"].items():
-    front, ci, law = fit["frontier"], fit["frontier_ci"] or {}, fit["parametric"]
-    cells = ["-"] * 4
-    if front:
-      cells = [f"{_fmt(front[k])} (fixed)" if k in front["fixed"] else _with_ci(front[k], ci.get(k))
-               for k in ("E", "A", "alpha")] + [_fmt(front["c0"], 3)]
-    rows.append([m] + cells + [", ".join(f"{k}={_fmt(law[k])}" for k in ("E", "A", "a", "B", "b")) if law else "-"])
-  frontiers = ("Frontier L(C) = E + A (C/c0)^-alpha and parametric law L(N, D) = E + A/N^a + B/D^b",
-               ["method", "E [95% CI]", "A [95% CI]", "alpha [95% CI]", "c0 (FLOPs)", "parametric fit"], rows)
-  return [budgets, frontiers]
+  for b in result["budgets"]:
+    for m, table in result["minima"].items():
+      for x in table:
+        if x["budget"] != b:
+          continue
+        delta = x["delta"]
+        versus = "ref" if m == ref else "-"
+        if delta and delta["mean"] is not None:
+          versus = f"{delta['mean']:+.4f}" + (f" ± {delta['se']:.4f}" if delta["se"] is not None else "") + \
+              f" ({delta['n_seeds']} seeds)"
+        rows.append([_fmt(b, 3), m, _fmt(x["loss"]), _fmt(x["params_opt"], 3),
+                     x["kind"] + ("" if x["bracketed"] else " (not bracketed)"), f"{x['n_sizes']} x {x['n_seeds']}",
+                     versus])
+  noise = ", ".join(f"{m} {v['sd']:.4f} nats ({v['dof']} dof)" for m, v in result["noise"].items() if v)
+  minima = ("IsoFLOP minima (raw)", [
+      "Each budget's minimum of the seed-mean loss over sizes, and the paired difference to "
+      f"{ref}: per seed, the method's minimum minus {ref}'s, mean ± standard error over seeds.",
+      f"Seed noise (pooled sd within a point's seeds): {noise}." if noise else result["noise_note"] + "."],
+      ["budget C", "method", "loss at minimum", "N_opt", "minimum", "sizes x seeds", f"minus {ref} (paired)"], rows)
+  out = [minima]
+  for c, entry in result["conventions"].items():
+    lines = [f"FLOPs {LABELS.get(c, c)}. Reference frontier: " + (entry["frontier_note"] or "") + (
+        (f": L(C) = {_fmt(entry['frontier']['E']) + ' + ' if entry['frontier']['E'] else ''}"
+         f"{_fmt(entry['frontier']['A'])} (C / {_fmt(entry['frontier']['c0'], 3)})^-{_fmt(entry['frontier']['alpha'])}")
+        if entry["frontier"] else "") + "."]
+    rows = []
+    for m, mult in entry["multipliers"].items():
+      rows.append([m, _with_ci(mult["pooled"], mult["ci"]),
+                   ", ".join(_fmt(b, 3) for b in mult["budgets"]) or "-",
+                   ", ".join(_fmt(b, 3) for b in mult["left_out"]) or "-"])
+    out.append((f"Pooled compute multiplier over {ref}, FLOPs {LABELS.get(c, c)}", lines,
+                ["method", "M [95% interval]", "budgets used", "left out (minimum not bracketed)"], rows))
+    per_budget = [[m, _fmt(x["budget"], 3), _with_ci(x["multiplier"], x["ci"])]
+                  for m, mult in entry["multipliers"].items() for x in mult["per_budget"] or []]
+    if per_budget:
+      out.append((f"Multiplier per budget, FLOPs {LABELS.get(c, c)}", [], ["method", "budget C", "M [95% interval]"],
+                  per_budget))
+  rows = [[m, ", ".join(f"{k}={_fmt(v['fit'][k])}" for k in ("E", "A", "a", "B", "b")) if v["fit"] else
+           "left out: " + v["note"]] for m, v in result["parametric"].items()]
+  out.append(("Parametric law L(N, D) = E + A/N^a + B/D^b", [], ["method", "fit"], rows))
+  return out
+
+
+def _closing(result):
+  lines = ["M: the reference frontier at M x C reaches the method's IsoFLOP minimum at C (M > 1: the method "
+           "buys compute); pooled over the budgets whose minimum is bracketed (geometric mean of C_ref(L_m(C_b)) / C_b)."]
+  if result["per_budget_note"]:
+    lines.append(result["per_budget_note"] + ".")
+  lines.append(f"Intervals: parametric bootstrap from the seed noise, {result['n_boot']} replicates." if result["n_boot"]
+               else "No intervals: " + result["noise_note"] + ".")
+  return lines
 
 
 def report_markdown(result):
-  """The fit as markdown: minima and multipliers per method and budget, then the frontier parameters."""
+  """The fit as markdown: raw minima first, then the pooled multipliers, then what is left out and why."""
   out = []
-  for title, header, rows in _tables(result):
-    out += [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for title, lines, header, rows in _sections(result):
+    out += [f"### {title}", ""] + [x + "\n" for x in lines]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows] + [""]
-  out.append(f"{result['convention']} Bootstrap: {result['n_boot']} replicates, {result['boot_failed']} failed.")
-  return "\n".join(out) + "\n"
+  return "\n".join(out + _closing(result)) + "\n"
 
 
 def table(result):
-  """The same tables as report_markdown, as aligned plain text for the terminal."""
+  """The same report as aligned plain text for the terminal."""
   out = []
-  for title, header, rows in _tables(result):
+  for title, lines, header, rows in _sections(result):
     widths = [max(len(r[j]) for r in [header] + rows) for j in range(len(header))]
-    out += [title] + ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header] + rows] + [""]
-  out.append(f"bootstrap: {result['n_boot']} replicates, {result['boot_failed']} failed")
-  return "\n".join(out)
+    out += [title] + lines + ["  ".join(x.ljust(w) for x, w in zip(r, widths)).rstrip() for r in [header] + rows] + [""]
+  return "\n".join(out + _closing(result))
 
 
 def write_fit(result, out_dir):
-  """Write out_dir/fit.json and out_dir/fit.md (creating out_dir); returns their paths."""
+  """Write out_dir/fit.json and out_dir/fit.md (creating out_dir), each only where its text changed; returns
+  their paths."""
   os.makedirs(out_dir, exist_ok=True)
   paths = [os.path.join(out_dir, "fit.json"), os.path.join(out_dir, "fit.md")]
-  with open(paths[0], "w") as f:
-    json.dump(result, f, indent=1, allow_nan=False)
-    f.write("\n")
-  with open(paths[1], "w") as f:
-    f.write(report_markdown(result))
+  for path, text in zip(paths, [json.dumps(result, indent=1, allow_nan=False) + "\n", report_markdown(result)]):
+    if os.path.isfile(path) and open(path).read() == text:
+      continue
+    with open(path, "w") as f:
+      f.write(text)
   return paths

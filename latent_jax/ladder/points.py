@@ -277,8 +277,8 @@ def window(ladder, name, budget, seeds, recorded, data):
   chosen. Returns (sizes in family order, the note on an edge that cannot be widened, or "")."""
   by_size = candidates(ladder, name, budget, seeds[0], data)
   family = [s for s in ladder.sizes if s in by_size]
-  k = ladder.sizes_per_budget or len(family)
-  if len(by_size) < min(k, len(ladder.sizes)):
+  k = ladder.sizes_per_budget or len(ladder.sizes)
+  if not by_size or len(by_size) < min(k, len(ladder.sizes)):
     raise ConfigError(f"budgets: {budget:.3g} FLOPs is too small: only {len(by_size)} of the sizes {list(ladder.sizes)} "
                       f"get a few steps of {name}; raise the budget or add smaller sizes.")
   first = sorted(family, key=lambda s: abs(math.log(by_size[s].tokens / by_size[s].params / ladder.tokens_per_param)))[:k]
@@ -320,16 +320,17 @@ def ladder_points(ladder, recorded=None, store_required=True):
   windows = {}
   for budget in sorted(ladder.budgets):
     for name in ladder.methods:
-      if name in factors:
-        sizes, edge = window(ladder, name, budget, list(ladder.seeds), recorded, data)
-        windows[budget, name] = sizes
-        if edge:
-          notes.append(f"{name} at {budget:.3g}: the lowest loss is at the {edge}; its minimum is not bracketed")
+      sizes, edge = window(ladder, name, budget, list(ladder.seeds), recorded, data)
+      windows[budget, name] = sizes
+      if edge:
+        notes.append(f"{name} at {budget:.3g}: the lowest loss is at the {edge}; its minimum is not bracketed")
   for seed in ladder.seeds:
     for budget in sorted(ladder.budgets):
       for name in ladder.methods:
-        points += [make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=factors[name])
-                   for size in windows.get((budget, name), [])]
+        # A method still waiting for its tune is checked all the same (every error before anything trains).
+        made = [make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=factors.get(name, 1.0))
+                for size in windows[budget, name]]
+        points += made if name in factors else []
   return points, notes
 
 
