@@ -306,7 +306,8 @@ def window(ladder, name, budget, seeds, recorded, data):
 
 def ladder_points(ladder, recorded=None, store_required=True):
   """(points, notes): the tune's points, then every ladder point the recorded results decide so far, in the
-  order `run` trains them: tune, then seed, budget (ascending), method, size. Ladder points wait for their
+  order `run` trains them: tune, then budget (ascending), seed, method, size (a budget's seeds complete
+  before the next budget starts, so a stopped ladder has whole budgets with their noise measured). Ladder points wait for their
   method's tune; a method's sizes may widen as its results land (`window`). notes: lines on what is not
   yet planned or cannot be bracketed."""
   recorded = recorded or {}
@@ -324,8 +325,8 @@ def ladder_points(ladder, recorded=None, store_required=True):
       windows[budget, name] = sizes
       if edge:
         notes.append(f"{name} at {budget:.3g}: the lowest loss is at the {edge}; its minimum is not bracketed")
-  for seed in ladder.seeds:
-    for budget in sorted(ladder.budgets):
+  for budget in sorted(ladder.budgets):
+    for seed in ladder.seeds:
       for name in ladder.methods:
         # A method still waiting for its tune is checked all the same (every error before anything trains).
         made = [make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=factors.get(name, 1.0))
