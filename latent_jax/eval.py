@@ -1,4 +1,4 @@
-"""python -m latent_jax.eval --workdir DIR [--step=N] [--batches=N] [--tasks FILE[,FILE...]]
+"""python -m latent_jax.eval --workdir DIR [--step=N] [--batches=N] [--tasks FILE[,FILE...]] [--[no]val]
    [--lm_eval_tasks T1,T2 [--include_path DIR] [--limit=N] [--num_fewshot=N] [--output FILE]]
    [--batch_size=8] [--max_length=N]
 
@@ -10,6 +10,14 @@ Validation loss (nats/token) and bits per byte on the held-out split of the run'
 tokenizer are rebuilt from the saved config exactly as in training, and by default the same batches
 are scored as the training's own validation (its train.eval_batches); --batches=0 scores the whole
 split. The JSON line says what was covered: `batches` of `split_batches`, and the scored `tokens`.
+With --tasks or --lm_eval_tasks the run's data is optional: a model imported (convert --hf) or exported
+without it is judged on the task files alone, and when its data.source is not at hand (no such file, or
+less than one batch of it) validation is left out (`"val_loss": null`) with one line on stderr saying
+why. --val requires validation (bad data is then an error, as without tasks); --noval skips it.
+
+On an export folder the JSON line's `step` is the training step it was exported from (export.json,
+written by export), or "export" where that is not known (an import, an older export), and `source`
+says what the folder is.
 
 --tasks: capability proxies on local JSONL task files (latent_jax/proxies.py; python -m latent_jax.tasks
 writes the shipped sets), adding proxy/C/nll, proxy/S/nll, proxy/C/bpb and, for multiple choice,
@@ -36,9 +44,36 @@ from latent_jax.train import step as steps
 from latent_jax.infer import load
 
 
-def evaluate_dir(directory, step=None, max_batches=None, tasks=(), rows=8, max_length=None):
+def validation_data(cfg, directory, val):
+  """(Data, None) for validation, or (None, why it is left out). val: True = required (a data error is
+  raised), None = when the run's data is at hand, False = never."""
+  if val is False:
+    return None, "--noval"
+  try:
+    return build_data(cfg, directory), None
+  except (ValueError, OSError) as e:
+    if val:
+      raise
+    return None, " ".join(str(e).splitlines())
+
+
+def describe_source(directory, step):
+  """(the JSON line's step, its source: None for a workdir) of what was read."""
+  if not checkpoint.is_export(directory):
+    return step, None
+  origin = load.read_origin(directory)
+  if origin.get("workdir") is not None:
+    return origin.get("step", "export"), f"export of {origin['workdir']} at step {origin.get('step')}"
+  if origin.get("hf"):
+    return "export", f"import of the Hugging Face checkpoint {origin['hf']} (convert --hf)"
+  return "export", "export folder (the step it was exported from is not recorded)"
+
+
+def evaluate_dir(directory, step=None, max_batches=None, tasks=(), rows=8, max_length=None, val=True):
   """max_batches: None = the run's train.eval_batches (what its training validated on), 0 = all.
-  tasks: proxy task files, scored `rows` at a time in rows of `max_length` tokens (data.seq_len)."""
+  tasks: proxy task files, scored `rows` at a time in rows of `max_length` tokens (data.seq_len).
+  val: True = validate (the run's data must be at hand), None = when it is at hand (else left out, with
+  a line on stderr saying why), False = not."""
   examples = proxies.read_tasks(tasks, "--tasks") if tasks else None  # checked before anything loads
   def read(step):  # the checkpoint first: a training may remove it while the data is built
     saved, step = checkpoint.load_config(directory, step)
@@ -48,20 +83,30 @@ def evaluate_dir(directory, step=None, max_batches=None, tasks=(), rows=8, max_l
     param_shardings = nnx.to_pure_dict(sharding.state_shardings(abstract, mesh))
     return cfg, step, mesh, param_shardings, load.load_params(directory, saved, step, checkpoint.by_path(param_shardings))
   cfg, step, mesh, param_shardings, (graphdef, params) = checkpoint.read_newest(directory, step, read)
-  data = build_data(cfg, directory)
-  max_batches = cfg.train.eval_batches if max_batches is None else max_batches
-  split_batches = val_batch_count(len(data.val_tokens), cfg.data.seq_len, cfg.data.batch_size)
-  batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
-                             sharding.process_rows(cfg.data.batch_size, mesh))
-  eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh, data.tokenizer.token_bytes)
-  result = steps.evaluate(eval_step, params, batches, mesh, cfg.data.batch_size)
-  tokens = result.pop("val_tokens")
-  result = {"step": step, **result, "batches": len(batches), "split_batches": split_batches, "tokens": tokens}
-  if cfg.model.name == "concept":  # its own terms and codebook health on the same batches, as training logs them
-    terms_step = steps.make_terms_step(graphdef, cfg, param_shardings, mesh)
-    result.update(steps.evaluate_terms(terms_step, params, batches, mesh, cfg.data.batch_size))
+  data, why = validation_data(cfg, directory, val)
+  shown, source = describe_source(directory, step)
+  result = {"step": shown, **({"source": source} if source else {})}
+  if data is None:
+    if why != "--noval" and distributed.is_primary():
+      print(f"eval: validation loss left out, the run's data is not at hand ({why.removesuffix('.')}); the task "
+            "scores need none (--val requires it)", file=sys.stderr, flush=True)
+    result["val_loss"] = None
+    tokenizer = checkpoint.load_tokenizer(directory, cfg)
+  else:
+    tokenizer = data.tokenizer
+    max_batches = cfg.train.eval_batches if max_batches is None else max_batches
+    split_batches = val_batch_count(len(data.val_tokens), cfg.data.seq_len, cfg.data.batch_size)
+    batches = make_val_batches(data, cfg.data.seq_len, cfg.data.batch_size, max_batches,
+                               sharding.process_rows(cfg.data.batch_size, mesh))
+    eval_step = steps.make_eval_step(graphdef, cfg, param_shardings, mesh, tokenizer.token_bytes)
+    scores = steps.evaluate(eval_step, params, batches, mesh, cfg.data.batch_size)
+    tokens = scores.pop("val_tokens")
+    result.update(scores, batches=len(batches), split_batches=split_batches, tokens=tokens)
+    if cfg.model.name == "concept":  # its own terms and codebook health on the same batches, as training logs them
+      terms_step = steps.make_terms_step(graphdef, cfg, param_shardings, mesh)
+      result.update(steps.evaluate_terms(terms_step, params, batches, mesh, cfg.data.batch_size))
   if examples:
-    scorer = proxies.Proxies(examples, "--tasks", data.tokenizer, graphdef, param_shardings, mesh, rows,
+    scorer = proxies.Proxies(examples, "--tasks", tokenizer, graphdef, param_shardings, mesh, rows,
                              max_length or cfg.data.seq_len)
     result.update(scorer(params))
   return result
@@ -145,6 +190,8 @@ FLAGS = [
     cli.Flag("max_length", int, None, "proxy and lm-eval tokens per row; default: the run's data.seq_len",
              lambda n: n >= 2, ">= 2"),
     cli.Flag("output", str, None, "lm-eval: a JSON file to write the harness's results to"),
+    cli.Flag("val", bool, None, "validation loss on the run's data: --val requires it, --noval skips it; default: "
+             "always without task flags, and with --tasks or --lm_eval_tasks when the run's data is at hand"),
 ] + cli.DISTRIBUTED
 
 
@@ -152,9 +199,14 @@ def evaluate(args):
   """The JSON line's object: validation, --tasks' proxies, --lm_eval_tasks' scores."""
   tasks = proxies.task_files(args.tasks, "--tasks") if args.tasks is not None else []
   setup = check_lm_eval(args) if args.lm_eval_tasks is not None else None
-  result = evaluate_dir(args.workdir, args.step, args.batches, tasks, args.batch_size, args.max_length)
-  if setup:
-    result.update(run_lm_eval(args, result["step"], *setup))
+  judged = bool(tasks) or setup is not None
+  if args.val is False and not judged:
+    raise ValueError("--noval with neither --tasks nor --lm_eval_tasks leaves nothing to evaluate; drop --noval, "
+                     "or give task files.")
+  val = args.val if args.val is not None else (None if judged else True)
+  result = evaluate_dir(args.workdir, args.step, args.batches, tasks, args.batch_size, args.max_length, val)
+  if setup:  # the checkpoint just read (an export folder has none)
+    result.update(run_lm_eval(args, None if checkpoint.is_export(args.workdir) else result["step"], *setup))
   return result
 
 

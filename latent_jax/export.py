@@ -2,8 +2,9 @@
 
 Writes a params-only Orbax checkpoint in the inference dtype (default: the model's compute
 dtype) to DIR2/params, with DIR2/config.json and DIR2/tokenizer.model (or .json) beside it; generate
-and eval load DIR2 like a workdir. Optimiser state and training-only parameters (the NITP projector,
-the MTP block) are left out, and the saved config has nitp/mtp disabled to match.
+and eval load DIR2 like a workdir. DIR2/export.json records the workdir and step it came from (eval names
+them). Optimiser state and training-only parameters (the NITP projector, the MTP block) are left out, and
+the saved config has nitp/mtp disabled to match.
 """
 import os
 
@@ -26,19 +27,21 @@ def export(workdir, out, step=None, dtype=None):
   distributed.barrier("export: --out checked")  # before process 0 creates it
   def read(step):
     cfg, step = checkpoint.load_config(workdir, step)
-    return cfg, load.load_params(workdir, cfg, step)[1]  # the inference model's params only
-  cfg, params = checkpoint.read_newest(workdir, step, read)
+    return cfg, step, load.load_params(workdir, cfg, step)[1]  # the inference model's params only
+  cfg, step, params = checkpoint.read_newest(workdir, step, read)
   cfg = load.inference_config(cfg)
   dtype = dtype or cfg.model.dtype
   params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
   cfg.model.param_dtype = dtype
   cfg.model.allow_bf16_params = dtype == "bfloat16"  # an inference copy: no optimiser updates it
   tokenizer = checkpoint.load_tokenizer(workdir, cfg)
+  # An export of an export keeps the first one's origin; eval names it.
+  origin = load.read_origin(workdir) if checkpoint.is_export(workdir) else {"workdir": paths.absolute(workdir), "step": step}
   distributed.on_primary("export folder", lambda: paths.path(out).mkdir(parents=True), OSError)
   ckptr = ocp.StandardCheckpointer()  # every process saves its shards; Orbax writes each array once
   ckptr.save(paths.absolute(os.path.join(out, "params")), params)
   ckptr.wait_until_finished()
-  distributed.on_primary("export config", lambda: load.write_beside(out, cfg, tokenizer), OSError)
+  distributed.on_primary("export config", lambda: load.write_beside(out, cfg, tokenizer, origin), OSError)
   return out
 
 

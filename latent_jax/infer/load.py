@@ -37,10 +37,25 @@ def inference_config(cfg):
   return cfg
 
 
-def write_beside(out, cfg, tokenizer):
-  """An export folder's config.json and tokenizer file (tokenizer.model / .json), next to its params/."""
+ORIGIN = "export.json"  # where an export folder came from: {"workdir": DIR, "step": N} or {"hf": HF_DIR}
+
+
+def write_beside(out, cfg, tokenizer, origin=None):
+  """An export folder's config.json and tokenizer file (tokenizer.model / .json), next to its params/, and
+  export.json (`origin`: what it was made from, which eval names)."""
   paths.path(os.path.join(out, "config.json")).write_text(json.dumps(checkpoint.config_to_json(cfg), indent=2))
   paths.path(os.path.join(out, tokenizer.filename)).write_bytes(tokenizer.proto)
+  if origin is not None:
+    paths.path(os.path.join(out, ORIGIN)).write_text(json.dumps(origin, indent=2))
+
+
+def read_origin(directory):
+  """An export folder's export.json ({} when it has none: written before it existed, or unreadable)."""
+  try:
+    origin = json.loads(paths.path(os.path.join(directory, ORIGIN)).read_text())
+  except (OSError, ValueError):
+    return {}
+  return origin if isinstance(origin, dict) else {}
 
 
 def load_model(directory, step=None):

@@ -108,7 +108,7 @@ def import_hf(hf_dir, out, recipe, dtype=None):
     # checkpoint as export.py writes one.
     os.rename(os.path.join(staging, "state"), os.path.join(out, "params"))
     shutil.rmtree(staging)
-    load.write_beside(out, cfg, tokenizer)
+    load.write_beside(out, cfg, tokenizer, {"hf": os.path.abspath(hf_dir)})
     copy_extras(hf_dir, out)
   return cfg
 
