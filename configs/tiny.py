@@ -60,6 +60,7 @@ def get_config():
   c.data = ml_collections.ConfigDict()
   c.data.source = "kjv"                # kjv | shakespeare | .txt/.jsonl(.gz)/.parquet files, folders, globs | a token store
   c.data.tokenizer = ""                # "" trains SentencePiece BPE on the train split (saved in the workdir)
+  c.data.tokenizer_sources = ""        # sources (as data.source, comma-separated) the trained tokenizer also learns from, never trained on: e.g. "arithmetic" for an adaptation's domain
   c.data.seq_len = 128
   c.data.batch_size = 16               # global, across all hosts
   c.data.val_fraction = 0.05           # documents held out for validation
@@ -87,7 +88,7 @@ def get_config():
   c.optim.name = "adamw"               # adamw | muon
   c.optim.lr = 3e-3
   c.optim.schedule = "cosine"          # cosine | wsd | constant
-  c.optim.warmup_steps = 50
+  c.optim.warmup_steps = 50 / 600      # below 1: a fraction of train.steps (50 of 600; --config.train.steps=40 alone: 3); >= 1: steps
   c.optim.min_lr_ratio = 0.1           # floor of the schedule, as a fraction of lr
   c.optim.decay_fraction = 0.1         # wsd: fraction of steps spent decaying
   c.optim.b1 = 0.9

@@ -43,7 +43,7 @@ def get_config():
   c.optim.name = "adamw"          # weight decay on matrices only; linear warmup, then cosine to 10%
   c.optim.lr = 3e-3
   c.optim.schedule = "cosine"
-  c.optim.warmup_steps = 40
+  c.optim.warmup_steps = 0.1      # a fraction of train.steps (40 of 400), as in configs/tiny.py
   c.optim.min_lr_ratio = 0.1
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999

@@ -8,6 +8,14 @@ Point `train.init_from` at that run (a workdir or an export) and `data.source` a
       --config.train.init_from=runs/ncp --config.data.source=my_domain/
 
 The paper gives no adaptation hyperparameters; these are a short, constant-rate run.
+
+The adapted model keeps its source's tokenizer, so the source run decides whether the domain's text is
+spelt in learnt pieces: a KJV-only tokenizer spells digits as byte-fallback pieces, and the math proxies
+then read as noise (docs/data.md, "Capability proxies"). Train the source with a tokenizer that covers the
+domains it will be adapted to:
+
+  python -m latent_jax.train --config configs/tiny_ncp.py --workdir runs/ncp \\
+      --config.data.tokenizer_sources=arithmetic,python_stdlib,kjv_facts
 """
 import tiny_ncp  # configs load with their own folder on sys.path
 

@@ -165,8 +165,18 @@ def validate(cfg):
   check(isinstance(d.source, str) and d.source.strip() != "", "data.source",
         "is empty; use 'kjv' or a path to .txt/.jsonl files.")
   check(d.get("max_text_gib", 1) > 0, "data.max_text_gib", f"must be > 0 (GiB), got {d.get('max_text_gib')}.")
+  extra = d.get("tokenizer_sources", "")
+  check(isinstance(extra, str), "data.tokenizer_sources", f"must be a string (sources, comma-separated), got {extra!r}.")
+  check(not (extra.strip() and d.get("tokenizer", "")), "data.tokenizer_sources",
+        f"{extra!r} adds text to the tokenizer trained here, but data.tokenizer={d.get('tokenizer')!r} gives one; "
+        "drop one of the two.")
 
   check(t.steps > 0, "train.steps", f"must be > 0, got {t.steps}.")
+  start, count = profile
+  check(count == 0 or start + count <= t.steps, "train.profile_steps",
+        f"({start}, {count}) traces steps {start + 1}..{start + count}, past the run's end at train.steps={t.steps}; "
+        f"set START + COUNT <= {t.steps} (e.g. --config.train.profile_steps=\"({max(0, min(start, t.steps - count))}, "
+        f"{min(count, t.steps)})\"), or COUNT 0 for no profile.")
   for f in ("log_every", "checkpoint_every", "keep_checkpoints"):
     check(t[f] >= 1, f"train.{f}", f"must be >= 1, got {t[f]}.")
   check(t.eval_every >= 0 and t.eval_batches >= 0, "train.eval_every/eval_batches", "must be >= 0 (0 = off / all).")
@@ -180,8 +190,11 @@ def validate(cfg):
   check_choice(o.name, "optim.name", ("adamw", "muon"))
   check_choice(o.schedule, "optim.schedule", ("cosine", "wsd", "constant"))
   check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}.")
-  check(0 <= o.warmup_steps < t.steps, "optim.warmup_steps",
-        f"{o.warmup_steps} must lie in [0, train.steps={t.steps}).")
+  w = o.warmup_steps
+  number = isinstance(w, (int, float)) and not isinstance(w, bool)
+  check(number and (0 <= w < 1 or (w == int(w) and w < t.steps)), "optim.warmup_steps",
+        f"{f'{w:g}' if number else repr(w)} must lie in [0, train.steps={t.steps}): a whole number of steps, or "
+        "below 1 a fraction of train.steps (e.g. 0.1).")
   check(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}.")
   check(0 < o.decay_fraction <= 1, "optim.decay_fraction", f"must lie in (0, 1], got {o.decay_fraction}.")
   check(o.clip_norm >= 0 and o.weight_decay >= 0, "optim.clip_norm/weight_decay", "must be >= 0 (0 = off).")
@@ -266,10 +279,18 @@ def validate_tst(cfg):
     check(cfg.data.seq_len % t.s == 0, "data.seq_len",
           f"{cfg.data.seq_len} is not divisible by tst.s={t.s}: with tst.budget='tokens' phase-1 rows of "
           f"data.seq_len tokens are cut into bags of tst.s; pick a multiple of {t.s}, or tst.budget='flops'.")
-  if t.carry == "params":
+  if t.carry == "params" and cfg.optim.warmup_steps >= 1:  # a fraction is of each phase's length: it fits
     check(cfg.optim.warmup_steps < min(n1, steps - n1), "optim.warmup_steps",
-          f"{cfg.optim.warmup_steps} must be below both phases' lengths ({n1} and {steps - n1}): with "
+          f"{cfg.optim.warmup_steps:g} must be below both phases' lengths ({n1} and {steps - n1}): with "
           "tst.carry='params' each phase restarts the schedule, warmup included.")
+
+
+def warmup_steps(optim, steps):
+  """The warmup's length in steps: optim.warmup_steps as a number of steps, or, below 1, as a fraction of
+  `steps` (the schedule's: train.steps, or with tst.carry='params' each phase's), rounded (at most steps - 1),
+  so that a shorter run keeps its warmup's share."""
+  w = optim.warmup_steps
+  return min(round(w * steps), steps - 1) if 0 < w < 1 else int(w)
 
 
 def nitp_enabled(cfg):

@@ -32,7 +32,6 @@ import time
 
 import jax
 import numpy as np
-import tqdm
 
 from latent_jax import cli, distributed, paths
 from latent_jax.data import store
@@ -40,6 +39,7 @@ from latent_jax.data.corpus import (NAMED_SOURCES, cuttable, document_key, held_
                                     resolve_files)
 from latent_jax.data.pipeline import count_entropy, token_stream
 from latent_jax.data.tokenizer import TOKENIZER_FILES, Tokenizer, find_tokenizer, load_or_train_tokenizer
+from latent_jax.train import progress
 
 NAMED_FOLDER = ".source"  # in --out: a named source's documents, as the JSONL file its scan reads
 SPLIT_RULE = ("documents ranked by the sha256 of their UTF-8 text (ties by corpus order); the "
@@ -173,7 +173,9 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
   args = [(f, d.get("doc_separator", ""), sample_bytes) for f in files]
   scans, sample, held_bytes, first = [], [], 0, 0
   results = pool.imap(scan_file, args, chunksize=max(1, len(args) // 64)) if pool else map(scan_file, args)
-  for scan in tqdm.tqdm(results, total=len(files), desc="scan", unit=" files", disable=len(files) < 2):
+  shown = progress.counter(len(files), "scan", unit=" files", disable=len(files) < 2)
+  for scan in results:
+    shown.update(1)
     for key, i, size, doc in scan.pop("sample"):  # the whole corpus's highest keys up to sample_bytes
       heapq.heappush(sample, (key, first + i, size, doc))
       held_bytes += size
@@ -181,6 +183,7 @@ def make_plan(cfg, out, files, pool, shard_mb, sample_mb, log):
         held_bytes -= heapq.heappop(sample)[2]
     scans.append(scan)
     first += len(scan["sizes"])
+  shown.close()
   if not first:
     raise ValueError(f"data.source: every document in {d.source!r} is empty (or whitespace); point data.source at "
                      "text, or check data.doc_separator.")
@@ -291,8 +294,8 @@ def prepare(cfg, out, workers=1, shard_mb=64.0, sample_mb=64.0, log=print):
     pending = [s for s in plan["shards"] if s["name"] + ".json" not in done]
     total = sum(s["bytes"] for s in plan["shards"])
     tasks = [(out, plan["files"], plan["settings"]["doc_separator"], dtype.name, s) for s in pending]
-    with tqdm.tqdm(total=total, initial=total - sum(s["bytes"] for s in pending), unit="B", unit_scale=True,
-                   desc=f"tokenise {len(plan['shards'])} shards") as bar:
+    with progress.counter(total, f"tokenise {len(plan['shards'])} shards", unit="B", unit_scale=True,
+                          initial=total - sum(s["bytes"] for s in pending)) as bar:
       for record in pool.imap_unordered(tokenise_shard, tasks) if pool else map(tokenise_shard, tasks):
         bar.update(record["source_bytes"])
   manifest = finish(out, plan, tok, log)

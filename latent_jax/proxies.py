@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +241,22 @@ def proxy_metrics(examples, lls, token_counts, token_bytes):
   return dict(sorted(metrics.items()))
 
 
+BYTE_PIECES_WARNING = 0.25  # the share of a source's scored tokens that are byte-fallback pieces: warned above
+
+
+def warn_byte_pieces(tallies, origin, file=None):
+  """One line on stderr (process 0) naming the sources whose scored tokens are largely byte-fallback pieces
+  `<0x..>` for this tokenizer: text its training never saw (digits, for a KJV tokenizer), spelt a byte a token,
+  which the proxies then score as such (bits per byte above 8, accuracy below chance: docs/data.md)."""
+  shares = {s: b / n for s, (b, n) in sorted(tallies.items()) if n and b / n >= BYTE_PIECES_WARNING}
+  if shares and jax.process_index() == 0:
+    listing = ", ".join(f"{s} {100 * share:.0f}%" for s, share in shares.items())
+    print(f"warning: {origin}: the model's tokenizer spells much of these task sets' scored text as byte-fallback "
+          f"pieces <0x..>, text its training never saw ({listing} of their tokens), so their proxies measure "
+          "little (bits per byte above 8, accuracy below chance); train the tokenizer on such text too: "
+          "data.tokenizer_sources (docs/data.md, \"Capability proxies\").", file=file or sys.stderr, flush=True)
+
+
 class Proxies:
   """The proxy metrics of task examples (`read_tasks`) for one model layout: encodes them once;
   `proxies(params)` scores them (on every process alike: each builds the same rows, and the scores
@@ -256,6 +273,7 @@ class Proxies:
     self.pairs, self.owners, self.max_length, self.pad_id = [], [], max_length, tokenizer.pad_id
     table = np.asarray(tokenizer.token_bytes)
     self.counts, self.bytes = [], []
+    byte_pieces = {}  # source -> [byte-fallback pieces, tokens] among its scored tokens
     for i, e in enumerate(self.examples):
       counts, nbytes = [], []
       for text in e.texts:
@@ -270,8 +288,12 @@ class Proxies:
         self.owners.append(i)
         counts.append(m)
         nbytes.append(int(table[whole[len(whole) - m:]].sum()))
+        tally = byte_pieces.setdefault(e.source, [0, 0])
+        tally[0] += int(tokenizer.byte_pieces[whole[len(whole) - m:]].sum())
+        tally[1] += m
       self.counts.append(counts)
       self.bytes.append(nbytes)
+    warn_byte_pieces(byte_pieces, origin)
     self.rows_sharding = sharding.batch_sharding(mesh)
     axes = self.rows_sharding.spec[0] or ()
     shards = math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))

@@ -69,6 +69,7 @@ def run_main(module, argv, capsys):
     ("latent_jax.eval", ["--workdir", "{tmp}", "--tasks", ","], ["--tasks", "names no task file"]),
     ("latent_jax.eval", ["--workdir", "{tmp}", "--tasks", "{tmp}/nope.jsonl"], ["--tasks", "nope.jsonl", "does not exist"]),
     ("latent_jax.tasks", ["--out", "{tmp}/t", "--sets=kjv,nope"], ["--sets", "'nope'", "python_stdlib"]),
+    ("latent_jax.eval", ["--workdir", "{tmp}", "--noval"], ["--noval", "nothing to evaluate", "--tasks"]),
 ])
 def test_bad_flags(module, argv, names, tmp_path, capsys):
   before = listing(tmp_path)
@@ -165,6 +166,10 @@ TRAIN_CASES = {
     "vocab far above the tokenizer": ("{tmp}/run", ["model.vocab_size=200000"],
                                       ["model.vocab_size=200000", "624 pieces", "model.vocab_size=640"]),
     "unknown config field": ("{tmp}/run", ["train.stepz=5"], ["train.stepz", "not a config field"]),
+    "profile past the run's end": ("{tmp}/run", ["train.profile_steps=(5,3)"],
+                                   ["train.profile_steps", "(5, 3)", "train.steps=6", "START + COUNT <= 6"]),
+    "missing tokenizer source": ("{tmp}/run", ["data.tokenizer_sources=arithmetic,{tmp}/nope"],
+                                 ["data.tokenizer_sources", "nope", "matches no file"]),
     "bf16 parameters without a master": ("{tmp}/run", ["model.param_dtype=bfloat16"],
                                          ["model.param_dtype", "model.param_dtype=float32 with model.dtype=bfloat16",
                                           "model.allow_bf16_params=True"]),

@@ -96,6 +96,32 @@ def test_tasks_command_writes_the_sets(tmp_path, capsys):
   assert printed["arithmetic"] == [str(tmp_path / "tasks" / "arithmetic.jsonl"), 30]
 
 
+def test_the_docs_commands_write_where_git_ignores(tmp_path):
+  """What the README and docs/ tell a user to run from the repository leaves no untracked files: every relative
+  --out, --workdir or --output path they name (python -m latent_jax.tasks --out tasks, runs/..., data/...)
+  is ignored by git (.gitignore)."""
+  import re
+  import shutil
+  import subprocess
+  from conftest import ROOT
+  if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+    pytest.skip("not a git checkout")
+  docs = [os.path.join(ROOT, "README.md")] + [os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                                              if f.endswith(".md")]
+  named = set()
+  for doc in docs:
+    text = open(doc, encoding="utf-8").read()
+    code = re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", re.sub(r"```.*?```", "", text, flags=re.S))
+    for path in re.findall(r"--(?:out|workdir|output)[ =]([\w./-]+)(?![\w:])", re.sub(r"#.*", "", "\n".join(code))):
+      if not path.startswith(("/", ".", "-")) and not path.isupper():  # DIR, FILE: placeholders
+        named.add(path)
+  assert "tasks" in named and "runs/tiny" in named, sorted(named)
+  check = subprocess.run(["git", "check-ignore", "--no-index", "--stdin", "-v", "-n"], cwd=ROOT, capture_output=True,
+                         text=True, input="".join(f"{p}/x\n" for p in sorted(named)))
+  missed = [line.split("\t")[-1] for line in check.stdout.splitlines() if line.startswith("::")]
+  assert not missed, f"not ignored by git: {missed}"
+
+
 def test_a_domain_trains_by_name_and_prepares_into_the_same_split(tmp_path):
   """data.source=arithmetic builds its data like kjv; prepare stores it with the same validation documents,
   so its val tokens equal the in-memory ones under the store's tokenizer."""

@@ -70,6 +70,24 @@ def test_schedules_against_closed_form(tiny_cfg, schedule):
     assert float(fn(t)) == pytest.approx(want(t), abs=1e-5), t
 
 
+def test_warmup_as_a_fraction_of_the_steps():
+  """optim.warmup_steps below 1 is a fraction of train.steps: configs/tiny.py's 50 of 600 steps, so that
+  --config.train.steps=40 alone runs (3 warmup steps) where warmup_steps=50 refused it; whole numbers
+  (configs/d512.py's, the experiments' and the ladder's overrides) stay steps."""
+  from conftest import TINY
+  from latent_jax import load_config
+  from latent_jax.config import ConfigError, warmup_steps
+  for overrides, want in (([], 50), (["train.steps=40"], 3), (["train.steps=40", "optim.warmup_steps=25"], 25),
+                          (["optim.warmup_steps=0"], 0), (["train.steps=2"], 0)):
+    cfg = load_config(TINY, overrides)
+    assert warmup_steps(cfg.optim, cfg.train.steps) == want, overrides
+    fn = learning_rate_schedule(cfg.optim, cfg.train.steps)
+    assert float(fn(want)) == pytest.approx(cfg.optim.lr) and (want == 0 or float(fn(want - 1)) < cfg.optim.lr)
+  for bad in ("2.5", "40"):
+    with pytest.raises(ConfigError, match=rf"optim\.warmup_steps: {bad} must lie in \[0, train\.steps=40\)"):
+      load_config(TINY, ["train.steps=40", f"optim.warmup_steps={bad}"])
+
+
 def test_weight_decay_skips_embeddings_and_norms(tiny_cfg):
   tiny_cfg.optim.update(lr=1.0, weight_decay=0.5, clip_norm=0.0, warmup_steps=0)
   from flax import nnx

@@ -310,3 +310,30 @@ def check_concept_terms(workdir, result):
     assert result[k] == pytest.approx(sums[k] / counts[k], rel=1e-4), k
   assert result["dead_codes"] == pytest.approx(float(np.mean(np.sum(histogram == 0, -1))))
   assert result["code_usage"] == pytest.approx(float(np.mean(np.mean(histogram > 0, -1))))
+
+
+def test_byte_pieces_warn_and_tokenizer_sources_cover_the_domain(corpus_dir, tmp_path, capsys):
+  """A tokenizer trained on text without digits spells arithmetic's in byte-fallback pieces: building the
+  proxies says so in one stderr line naming the set. data.tokenizer_sources=arithmetic trains the tokenizer on
+  that domain's training split too (not the model: the run's documents stay its own), and the line goes."""
+  from latent_jax.data import build_data
+  from latent_jax.data.task_sets import write_task_sets
+  write_task_sets(str(tmp_path), ["arithmetic"], max_examples=20)
+  hand = write_jsonl(tmp_path / "hand.jsonl", EXAMPLES)  # the corpus's own words: no warning for its sources
+  examples = proxies.read_tasks([str(tmp_path / "arithmetic.jsonl"), hand], "--tasks")
+  overrides = TINY_OVERRIDES + [f"data.source={corpus_dir}", "model.vocab_size=384"]
+  _, graphdef, _, shardings, mesh = random_model(TINY, overrides)
+  shares, docs, warned = {}, {}, {}
+  for extra in ([], ["data.tokenizer_sources=arithmetic"]):
+    data = build_data(load_config(TINY, overrides + extra), str(tmp_path / "run"))
+    scored = [i for e in examples if e.source == "arithmetic" for t in e.texts
+              for i in proxies.encode_pair(data.tokenizer, e.prompt, t)[1]]
+    shares[bool(extra)], docs[bool(extra)] = data.tokenizer.byte_pieces[scored].mean(), data.num_docs
+    capsys.readouterr()
+    proxies.Proxies(examples, "--tasks", data.tokenizer, graphdef, shardings, mesh, max_length=64)
+    warned[bool(extra)] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+  assert shares[False] > proxies.BYTE_PIECES_WARNING and shares[True] < 0.01, shares
+  assert len(warned[False]) == 1 and not warned[True], warned
+  assert warned[False][0].startswith("warning: --tasks: ") and "arithmetic" in warned[False][0]
+  assert not any(f" {s} " in warned[False][0] for s in ("s1", "s2", "s3")) and "data.tokenizer_sources" in warned[False][0]
+  assert docs[True] == docs[False]  # the tokenizer saw the domain; the run's data is its own

@@ -174,6 +174,18 @@ def test_prepare_cli_one_line_errors(store_dir, tmp_path, capsys):
   assert "match their checksums" in capsys.readouterr().out
 
 
+def test_prepare_writes_plain_progress_lines_into_a_log(sources, tmp_path, capsys):
+  """Output to a file or a pipe (here: captured) gets a plain line per update, as train's, never tqdm's
+  carriage-return bar; the lines end at the whole."""
+  capsys.readouterr()
+  prepare_lib.prepare(tiny_config(sources), str(tmp_path / "store"), workers=1, shard_mb=SHARD_MB, log=print)
+  err = capsys.readouterr().err
+  lines = err.splitlines()
+  assert "\r" not in err and lines, err
+  assert any(line.startswith("scan: ") for line in lines)
+  assert lines[-1].startswith("tokenise ") and "(100%" in lines[-1], lines[-1]
+
+
 def test_text_is_refused_above_the_limit_and_on_several_processes(sources, store_dir):
   """Text files pass on one process up to data.max_text_gib; above it, or on several processes, the
   error names the size and limit (or the process count) and the prepare command. Embedded corpora

@@ -27,6 +27,7 @@ import sentencepiece as spm
 import tokenizers
 
 from latent_jax import distributed, paths
+from latent_jax.data.corpus import load_documents, split_documents
 
 TOKENIZER_FILES = {"sentencepiece": "tokenizer.model", "huggingface": "tokenizer.json"}
 # Special tokens that end (or begin, or pad) a document in Hugging Face tokenizers, by preference.
@@ -85,6 +86,7 @@ class Tokenizer:
         raise ValueError(f"data.tokenizer: {self.path} has no EOS piece; documents are "
                          "separated by EOS, so train it with eos_id >= 0.")
       self.token_bytes = _token_bytes(self.sp)
+    self.byte_pieces = _byte_pieces(self)
     # Padding is only ever an input under a target of -1; EOS serves when there is no pad token.
     self.pad_id: int = pad_id if pad_id >= 0 else self.eos_id
 
@@ -163,6 +165,20 @@ def _token_bytes(sp: spm.SentencePieceProcessor) -> np.ndarray:
   return out
 
 
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_pieces(tok: Tokenizer) -> np.ndarray:
+  """bool [vocab_size]: the byte-fallback pieces `<0x..>`, which spell text the tokenizer's training never
+  saw one byte at a time (SentencePiece's, or a Hugging Face BPE's with byte_fallback; a byte-level BPE has none)."""
+  if tok.kind == "sentencepiece":
+    return np.array([tok.sp.is_byte(i) for i in range(tok.vocab_size)], bool)
+  out = np.zeros(tok.vocab_size, bool)
+  for piece, i in tok.hf.get_vocab(with_added_tokens=False).items():
+    out[i] = bool(_BYTE_PIECE.fullmatch(piece))
+  return out
+
+
 def _sentences(docs: Sequence[str]) -> Iterator[str]:
   """Training sentences: lines, cut after sentence punctuation so that none is too long.
 
@@ -231,12 +247,30 @@ def load_or_train_tokenizer(data_cfg, vocab_size: int, workdir: str, train_docs:
     tok, origin = Tokenizer(os.path.join(workdir, source.filename), source.proto), f"train.init_from's {source.path}"
   else:
     # Trained once, by process 0, and sent to the others: every host must see the same ids.
-    proto = train_tokenizer(train_docs, vocab_size) if not shared or distributed.is_primary() else b""
+    if not shared or distributed.is_primary():
+      proto = train_tokenizer(list(train_docs) + tokenizer_source_docs(data_cfg), vocab_size)
+    else:
+      proto = b""
     tok = Tokenizer(os.path.join(workdir, TOKENIZER_FILES["sentencepiece"]),
                     distributed.broadcast_bytes(proto) if shared else proto)
     origin = "the tokenizer trained on data.source (whose text holds no more BPE merges)"
   check_vocab(tok, vocab_size, origin, fixed=bool(given))
   return tok
+
+
+def tokenizer_source_docs(data_cfg) -> list[str]:
+  """The training splits of data.tokenizer_sources (comma-separated, each as data.source takes it: a named
+  source, files, a folder, a glob), which the trained tokenizer learns from beside the run's own: so that
+  it covers a domain the run does not train on (a later adaptation's). Their held-out documents stay out."""
+  docs = []
+  for part in (p.strip() for p in (getattr(data_cfg, "tokenizer_sources", "") or "").split(",")):
+    if part:
+      try:
+        found = load_documents(part, getattr(data_cfg, "doc_separator", ""))
+      except (ValueError, FileNotFoundError) as e:
+        raise type(e)(f"data.tokenizer_sources: {str(e).removeprefix('data.source: ')}") from None
+      docs += split_documents(found, data_cfg.val_fraction)[0] if len(found) > 1 else found
+  return docs
 
 
 def check_vocab(tok: Tokenizer, vocab_size: int, origin: str, fixed: bool):

@@ -8,6 +8,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from latent_jax.config import ConfigError
+from latent_jax.config import warmup_steps as config_warmup_steps
 from latent_jax.nn.concept import VQ_PARAMS
 from latent_jax.nn.lora import LORA_PARAMS
 
@@ -20,8 +21,9 @@ TRAINABLE_PRESETS = {"vq": VQ_PARAMS, "lora": LORA_PARAMS}
 def learning_rate_schedule(o, steps):
   """Linear warmup to `lr`, then cosine or warmup-stable-decay (WSD) down to lr*min_lr_ratio."""
   floor = o.lr * o.min_lr_ratio
-  warmup = optax.linear_schedule(0.0, o.lr, o.warmup_steps)
-  rest = max(1, steps - o.warmup_steps)
+  warmup_steps = config_warmup_steps(o, steps)  # a fraction (below 1) of the schedule's steps, or steps
+  warmup = optax.linear_schedule(0.0, o.lr, warmup_steps)
+  rest = max(1, steps - warmup_steps)
   if o.schedule == "cosine":
     after = optax.cosine_decay_schedule(o.lr, rest, alpha=o.min_lr_ratio)
   elif o.schedule == "wsd":
@@ -30,7 +32,7 @@ def learning_rate_schedule(o, steps):
     after = optax.join_schedules([optax.constant_schedule(o.lr), optax.linear_schedule(o.lr, floor, decay)], [stable])
   else:
     after = optax.constant_schedule(o.lr)
-  return optax.join_schedules([warmup, after], [o.warmup_steps])
+  return optax.join_schedules([warmup, after], [warmup_steps])
 
 
 def is_matrix(axes):

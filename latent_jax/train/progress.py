@@ -66,3 +66,52 @@ class Progress:
   def close(self):
     if self.bar is not None:
       self.bar.close()
+
+
+class Lines:
+  """A counter shown as plain lines (for a file or a pipe, where tqdm's bar would be one long line of
+  carriage returns): `update(n)` prints a line when the count crosses another tenth of `total`, when a
+  minute has passed since the last line, and at the end. A context manager, as tqdm's bar."""
+
+  def __init__(self, total, initial=0, desc="", unit="", unit_scale=False, file=None, every_s=60.0):
+    self.total, self.n, self.desc, self.unit, self.scale = total, initial, desc, unit.strip(), unit_scale
+    self.file, self.every_s = file or sys.stderr, every_s
+    self.started, self.first = time.perf_counter(), initial
+    self.last_time, self.last_tenth = self.started, self.tenth()
+
+  def tenth(self):
+    return int(10 * self.n / self.total) if self.total else 10
+
+  def amount(self, n):
+    if self.scale:
+      return tqdm.tqdm.format_sizeof(n, suffix=self.unit)
+    return (f"{n:,}" if isinstance(n, int) else f"{n:,.1f}") + (f" {self.unit}" if self.unit else "")
+
+  def update(self, n=1):
+    self.n += n
+    now = time.perf_counter()
+    if self.n >= self.total or self.tenth() > self.last_tenth or now - self.last_time >= self.every_s:
+      self.last_time, self.last_tenth = now, self.tenth()
+      rate = (self.n - self.first) / max(now - self.started, 1e-9)
+      left = (self.total - self.n) / rate if rate > 0 else float("nan")
+      print(f"{self.desc}: {self.amount(self.n)} of {self.amount(self.total)} "
+            f"({100 * self.n / max(self.total, 1):.0f}%, {self.amount(rate)}/s"
+            + (f", {left / 60:.1f} min left)" if self.n < self.total and left == left else ")"),
+            file=self.file, flush=True)
+
+  def close(self):
+    pass
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+def counter(total, desc, unit="", initial=0, unit_scale=False, disable=False, terminal=None):
+  """A tqdm bar on a terminal (stderr), plain Lines otherwise; None-like (nothing shown) when `disable`."""
+  terminal = sys.stderr.isatty() if terminal is None else terminal
+  if disable or terminal:
+    return tqdm.tqdm(total=total, initial=initial, desc=desc, unit=unit, unit_scale=unit_scale, disable=disable)
+  return Lines(total, initial, desc, unit, unit_scale)
