@@ -60,6 +60,10 @@ def step_metrics(metrics):
   metrics = {k: v for k, v in metrics.items() if k not in ("counts", "moe_bias_probe")}
   if "code_histogram" in metrics:
     metrics.update(C.codebook_usage(metrics.pop("code_histogram")))
+  if "moe_load" in metrics:  # tokens per expert [sparse layers, E] -> each layer's max over mean
+    load = metrics.pop("moe_load")
+    imbalance = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
+    metrics.update({f"moe_load_max/{i}": imbalance[i] for i in range(load.shape[0])})
   return metrics
 
 
@@ -95,17 +99,24 @@ def auxiliary_terms(model, out, batch, cfg, mtp=True):
   return {**terms, **moe_terms(out, cfg)}
 
 
+def expert_load(out):
+  """{"moe_load": tokens per expert [sparse layers, E]} of a forward pass with model.moe (it adds up over
+  microbatches; `step_metrics` logs each layer's max over mean as moe_load_max/i), else {}."""
+  return {"moe_load": out.aux["moe"]["load"]} if "moe" in out.aux else {}
+
+
 def moe_terms(out, cfg):
   """The router's terms of a forward pass (model.moe, docs/moe.md), each the mean over the sparse layers of a
-  per-call figure, weighted by the tokens of the call: `moe_lb_loss`, `router_z_loss`; `moe_dropped` (weight
-  0) with a capacity; and `moe_bias_probe` (sigmoid router: value 0, its gradient on each layer's
+  per-call figure, weighted by the tokens of the call: `moe_lb_loss`, `router_z_loss`; `router_entropy` and,
+  with a capacity, `moe_dropped` (weight 0, watched only); and `moe_bias_probe` (sigmoid router: value 0, its gradient on each layer's
   router_bias is that layer's expert load, which the train step turns into the bias update)."""
   if not moe_enabled(cfg.model) or "moe" not in out.aux:
     return {}
   e, stats = cfg.model.moe, out.aux["moe"]
   n = jnp.float32(out.hidden.shape[0] * out.hidden.shape[1])
   mean = lambda name: (jnp.mean(stats[name]) * n, n)
-  terms = {"moe_lb_loss": (*mean("lb_loss"), e.lb_loss_weight), "router_z_loss": (*mean("z_loss"), e.z_loss_weight)}
+  terms = {"moe_lb_loss": (*mean("lb_loss"), e.lb_loss_weight), "router_z_loss": (*mean("z_loss"), e.z_loss_weight),
+           "router_entropy": (*mean("entropy"), 0.0)}
   if e.capacity_factor > 0:
     terms["moe_dropped"] = (*mean("dropped"), 0.0)
   if e.router == "sigmoid":
@@ -116,7 +127,8 @@ def moe_terms(out, cfg):
 def lm_objective(model, batch, cfg, counts=None):
   """NTP (+ z-loss, NITP, MTP) for the baseline. Returns (total loss, metrics dict); `counts`: see `combine`."""
   out = model(batch["inputs"], batch["segment_ids"], batch["positions"], logits=False)
-  return combine({**ntp_terms(model, out, batch, cfg), **auxiliary_terms(model, out, batch, cfg)}, counts)
+  total, metrics = combine({**ntp_terms(model, out, batch, cfg), **auxiliary_terms(model, out, batch, cfg)}, counts)
+  return total, {**metrics, **expert_load(out)}
 
 
 def ncp_objective(model, batch, cfg, counts=None):
@@ -130,7 +142,7 @@ def ncp_objective(model, batch, cfg, counts=None):
                           jnp.ones(a["codes"].shape[:-1]), n.beta)
   total, metrics = combine({**terms, **auxiliary_terms(model, out, batch, cfg)}, counts)
   metrics["code_histogram"] = C.code_histogram(a["codes"], m.codebook_size)  # `step_metrics` logs its usage
-  return total, metrics
+  return total, {**metrics, **expert_load(out)}
 
 
 def model_kwargs(cfg):
@@ -165,7 +177,8 @@ def tst_objective(model, batch, cfg, counts=None):
   terms = {"loss": term(ce, mask)}
   if cfg.train.z_loss:
     terms["z_loss"] = term(jnp.square(lse), mask, cfg.train.z_loss)
-  return combine({**terms, **auxiliary_terms(model, out, aux_batch, cfg, mtp=aux_batch is batch)}, counts)
+  total, metrics = combine({**terms, **auxiliary_terms(model, out, aux_batch, cfg, mtp=aux_batch is batch)}, counts)
+  return total, {**metrics, **expert_load(out)}
 
 
 def drafter_scores(model, batch, anchors, labels_from):

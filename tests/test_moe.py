@@ -210,12 +210,32 @@ def test_concept_lm_with_moe_builds_and_runs():
   assert float(metrics["router_z_loss"]) > 0
 
 
+def random_batch(rows=2, length=32, vocab=320):
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, vocab, (rows, length + 1)), jnp.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.zeros((rows, length), jnp.int32),
+          "positions": jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (rows, length))}
+
+
+@pytest.mark.parametrize("config,objective", [("tiny_nitp.py", "lm_objective"), ("tiny_tst.py", "tst_objective")])
+def test_moe_composes_with_nitp_mtp_and_tst_bags(config, objective):
+  from latent_jax import objectives
+  cfg = load_config(f"{ROOT}/configs/{config}", [*TINY_OVERRIDES, "model.moe.enabled=True", *MOE,
+                                                  "model.moe.first_dense=1", "mtp.enabled=True"])
+  total, metrics = getattr(objectives, objective)(build_model(cfg, nnx.Rngs(0)), random_batch(), cfg)
+  assert np.isfinite(float(total))
+  assert metrics["moe_load"].shape == (1, 4)  # one sparse layer of 4 experts
+  tokens = 2 * 32 // (cfg.tst.s if "tst" in cfg else 1)  # TST phase 1: the bags route like tokens
+  assert float(metrics["moe_load"].sum()) == 2 * tokens
+  names = {"nitp_loss", "mtp_loss"} if "nitp" in config else set()
+  assert names | {"moe_lb_loss", "router_z_loss", "router_entropy"} <= set(metrics)
+
+
 def test_tiny_moe_trains_and_logs_the_router_losses(tmp_path, corpus_dir):
   from latent_jax.train.loop import train
   cfg = moe_cfg("model.moe.router=sigmoid", "model.moe.capacity_factor=1.0", "train.steps=3",
                 "optim.warmup_steps=1", "train.eval_every=0", f"data.source={corpus_dir}")
   rows = train(cfg, str(tmp_path / "run"))
-  for name in ("loss", "moe_lb_loss", "router_z_loss", "moe_dropped"):
+  for name in ("loss", "moe_lb_loss", "router_z_loss", "moe_dropped", "router_entropy", "moe_load_max/0"):
     assert np.isfinite(rows[name]), name
   assert "moe_bias_probe" not in rows
   from latent_jax.nn import abstract_model, axes_tree

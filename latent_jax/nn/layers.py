@@ -192,7 +192,8 @@ class SparseMLP(nnx.Module):
       y = y + T.swiglu(rows, w(self.shared_gate), w(self.shared_up), w(self.shared_down))
     load = MoE.expert_load(experts, self.gate.shape[0])
     stats = {"lb_loss": MoE.load_balance_loss(scores, experts, self.gate.shape[0]),
-             "z_loss": jnp.mean(MoE.router_z_loss(logits)), "load": load, "dropped": dropped}
+             "z_loss": jnp.mean(MoE.router_z_loss(logits)), "load": load, "dropped": dropped,
+             "entropy": jnp.mean(MoE.router_entropy(scores))}
     if bias is not None:  # value 0; d/d bias = load: the train step reads the load from the bias's gradient
       stats["bias_probe"] = jnp.sum((bias - jax.lax.stop_gradient(bias)) * load)
     self.stats = nnx.Intermediate(stats)

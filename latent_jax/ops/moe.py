@@ -56,6 +56,12 @@ def load_balance_loss(scores, experts, num_experts):
   return num_experts * jnp.sum(f * p)
 
 
+def router_entropy(scores):
+  """Entropy of each token's routing distribution [N] (scores normalised over the experts): log E when uniform."""
+  p = scores / jnp.sum(scores, axis=-1, keepdims=True)
+  return -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)
+
+
 def router_z_loss(logits):
   """Router z-loss per token [N] (ST-MoE, Zoph et al. 2022, Eq. 5, before its mean): logsumexp(x W_r)^2."""
   return jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
