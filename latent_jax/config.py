@@ -279,16 +279,17 @@ def validate_tst(cfg):
     check(cfg.data.seq_len % t.s == 0, "data.seq_len",
           f"{cfg.data.seq_len} is not divisible by tst.s={t.s}: with tst.budget='tokens' phase-1 rows of "
           f"data.seq_len tokens are cut into bags of tst.s; pick a multiple of {t.s}, or tst.budget='flops'.")
-  if t.carry == "params" and cfg.optim.warmup_steps >= 1:  # a fraction is of each phase's length: it fits
-    check(cfg.optim.warmup_steps < min(n1, steps - n1), "optim.warmup_steps",
-          f"{cfg.optim.warmup_steps:g} must be below both phases' lengths ({n1} and {steps - n1}): with "
-          "tst.carry='params' each phase restarts the schedule, warmup included.")
+  if t.carry == "params":
+    warmup = warmup_steps(cfg.optim, steps)
+    check(warmup < min(n1, steps - n1), "optim.warmup_steps",
+          f"{cfg.optim.warmup_steps:g}" + (f" ({warmup} steps)" if cfg.optim.warmup_steps < 1 else "") +
+          f" must be below both phases' lengths ({n1} and {steps - n1}): with tst.carry='params' each phase "
+          "restarts the schedule, warmup included.")
 
 
 def warmup_steps(optim, steps):
   """The warmup's length in steps: optim.warmup_steps as a number of steps, or, below 1, as a fraction of
-  `steps` (the schedule's: train.steps, or with tst.carry='params' each phase's), rounded (at most steps - 1),
-  so that a shorter run keeps its warmup's share."""
+  `steps` (train.steps), rounded (at most steps - 1), so that a shorter run keeps its warmup's share."""
   w = optim.warmup_steps
   return min(round(w * steps), steps - 1) if 0 < w < 1 else int(w)
 

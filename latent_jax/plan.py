@@ -177,13 +177,15 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None, reading=True):
   # As in the train loop: the state's shardings and layout are the same in every phase.
   graphdef, abstract_params = abstract_model(cfg)
   axes = axes_tree(abstract_params)
-  tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes, trainable_setting(cfg))
+  tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes, trainable_setting(cfg),
+                          total_steps=cfg.train.steps)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   state = steps.abstract_state(cfg, tx, shardings)
   results = []
   for phase in runs:
     print(phase.describe(cfg.data.batch_size))
-    tx, _ = build_optimizer(cfg.optim, phase.schedule_steps, axes, trainable_setting(cfg))
+    tx, _ = build_optimizer(cfg.optim, phase.schedule_steps, axes, trainable_setting(cfg),
+                            total_steps=cfg.train.steps)
     batch = steps.batch_shapes(cfg.data.batch_size, phase.seq_len, mesh)
     result = {"phase": phase.number, "seq_len": phase.seq_len, "params_bytes": bytes_per_device(state["params"]),
               "opt_state_bytes": bytes_per_device(state["opt_state"]), "batch_bytes": bytes_per_device(batch)}

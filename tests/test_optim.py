@@ -83,6 +83,9 @@ def test_warmup_as_a_fraction_of_the_steps():
     assert warmup_steps(cfg.optim, cfg.train.steps) == want, overrides
     fn = learning_rate_schedule(cfg.optim, cfg.train.steps)
     assert float(fn(want)) == pytest.approx(cfg.optim.lr) and (want == 0 or float(fn(want - 1)) < cfg.optim.lr)
+  # A TST phase with its own schedule (tst.carry='params') warms up as long as the whole run: 50 of 600 steps.
+  fn = learning_rate_schedule(load_config(TINY).optim, 180, total_steps=600)
+  assert float(fn(49)) < float(fn(50)) == pytest.approx(3e-3)
   for bad in ("2.5", "40"):
     with pytest.raises(ConfigError, match=rf"optim\.warmup_steps: {bad} must lie in \[0, train\.steps=40\)"):
       load_config(TINY, ["train.steps=40", f"optim.warmup_steps={bad}"])

@@ -89,7 +89,8 @@ def run(cfg, workdir, allow_data_change, started):
   trains = trainable_mask(axes, trainable_setting(cfg))  # with lora.enabled: the LoRA factors
   if len(plan) > 1 and cfg.tst.reinit_embeddings_at_switch:
     check_trains_embeddings(trains, trainable_setting(cfg))
-  tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes, trainable_setting(cfg))
+  tx, _ = build_optimizer(cfg.optim, plan[0].schedule_steps, axes, trainable_setting(cfg),
+                          total_steps=cfg.train.steps)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
   abstract_state = steps.abstract_state(cfg, tx, shardings)
   # train.eval_tasks: the capability proxies' task files, read and checked here, scored at each evaluation.
@@ -149,7 +150,8 @@ def run(cfg, workdir, allow_data_change, started):
       if step >= phase.end:
         continue
       say(phase.describe(cfg.data.batch_size))
-      tx, schedule = build_optimizer(cfg.optim, phase.schedule_steps, axes, trainable_setting(cfg))
+      tx, schedule = build_optimizer(cfg.optim, phase.schedule_steps, axes, trainable_setting(cfg),
+                                     total_steps=cfg.train.steps)
       if step == phase.start:  # a fresh run, or TST's switch
         train_iter = open_iterator(phase, step)
         state = enter_phase(phase, cfg, tx, shardings, abstract_state, phase1)

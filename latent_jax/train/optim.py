@@ -18,10 +18,12 @@ from latent_jax.nn.lora import LORA_PARAMS
 TRAINABLE_PRESETS = {"vq": VQ_PARAMS, "lora": LORA_PARAMS}
 
 
-def learning_rate_schedule(o, steps):
-  """Linear warmup to `lr`, then cosine or warmup-stable-decay (WSD) down to lr*min_lr_ratio."""
+def learning_rate_schedule(o, steps, total_steps=None):
+  """Linear warmup to `lr`, then cosine or warmup-stable-decay (WSD) down to lr*min_lr_ratio, over `steps`.
+  A warmup given as a fraction (below 1) is of `total_steps` (train.steps; default `steps`): a TST phase
+  with its own schedule (tst.carry='params') warms up as long as the whole run would."""
   floor = o.lr * o.min_lr_ratio
-  warmup_steps = config_warmup_steps(o, steps)  # a fraction (below 1) of the schedule's steps, or steps
+  warmup_steps = min(config_warmup_steps(o, total_steps or steps), max(steps - 1, 0))
   warmup = optax.linear_schedule(0.0, o.lr, warmup_steps)
   rest = max(1, steps - warmup_steps)
   if o.schedule == "cosine":
@@ -65,13 +67,13 @@ def trainable_mask(axes, trainable):
   return mask
 
 
-def build_optimizer(o, steps, axes, trainable=None):
+def build_optimizer(o, steps, axes, trainable=None, total_steps=None):
   """optax transformation for params whose logical axes are the tree `axes` (tuples as leaves).
 
   Parameters outside optim.trainable (or `trainable`, where given: config.trainable_setting's, which
   a LoRA run needs) get no update and no optimiser state.
   """
-  schedule = learning_rate_schedule(o, steps)
+  schedule = learning_rate_schedule(o, steps, total_steps)
   wd_mask = jax.tree.map(decays, axes, is_leaf=is_axes)
   transforms = {"adam": optax.adamw(schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                                     mask=wd_mask),
