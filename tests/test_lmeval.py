@@ -201,3 +201,22 @@ def test_eval_refuses_a_workdir_without_checkpoints(tasks_dir, tmp_path, capsys)
   code, err = run_main("latent_jax.eval", ["--workdir", str(tmp_path), "--lm_eval_tasks", "tiny_mc", "--include_path",
                                            tasks_dir], capsys)
   check_one_error_line(code, err, ["--workdir", "no checkpoints"])
+
+
+def test_lm_eval_tasks_need_no_data(concept, tasks_dir, tmp_path, capsys):
+  """An export whose recipe's data is absent (as an OLMo-3 imported with configs/olmo3_7b.py's data/dolma3_store)
+  is judged on lm-eval tasks alone: validation left out with one stderr line, the scores and its step printed."""
+  import json as json_lib
+  from latent_jax.eval import main
+  from latent_jax.export import export
+  out = export(concept, str(tmp_path / "export"))
+  config = json_lib.loads((tmp_path / "export" / "config.json").read_text())
+  config["data"]["source"] = str(tmp_path / "dolma3_store")
+  (tmp_path / "export" / "config.json").write_text(json_lib.dumps(config))
+  capsys.readouterr()
+  main(["--workdir", out, "--lm_eval_tasks", "tiny_mc", "--include_path", tasks_dir, "--limit", "2"])
+  result, err = capsys.readouterr()
+  line = json_lib.loads(result.strip().splitlines()[-1])
+  assert 0 <= line["lm_eval/tiny_mc/acc"] <= 1 and line["val_loss"] is None and line["step"] == 10
+  left_out = [e for e in err.splitlines() if e.startswith("eval: validation loss left out")]
+  assert len(left_out) == 1 and "dolma3_store" in left_out[0] and "matches no file" in left_out[0], err
