@@ -74,6 +74,7 @@ def get_config():
   c.tune.budget = 2e12
   c.tune.sizes = ("32x2", "64x2")      # () = no tune: every method at the rule's lr
   c.tune.lr_factors = (0.5, 1.0, 2.0)
+  c.tune.max_factors = 5               # a best factor at the sweep's edge adds the next one beyond it, up to this many
   c.tune.seed = 0
 
   c.train = ml_collections.ConfigDict()  # laid over every point's recipe

@@ -26,6 +26,7 @@ def get_config():
   c.tune.budget = 2e8
   c.tune.sizes = ("16x1",)
   c.tune.lr_factors = (0.5, 2.0)
+  c.tune.max_factors = 2                # no widening: two factors always have their best at an edge
   c.family.head_dim = 8
   c.rule.params = 20_000               # anchored so that the sizes train 8 rows of 32 tokens
   c.rule.batch_tokens = 256

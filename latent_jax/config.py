@@ -559,6 +559,8 @@ def validate_ladder(cfg):
   check(not tune.sizes or (len(tune.lr_factors) >= 2 and all(f > 0 for f in tune.lr_factors)
                            and len(set(tune.lr_factors)) == len(tune.lr_factors)), "tune.lr_factors",
         f"must be two or more distinct factors > 0, e.g. (0.5, 1.0, 2.0), got {tuple(tune.lr_factors)!r}.")
+  check(isinstance(tune.max_factors, int) and tune.max_factors >= len(tune.lr_factors), "tune.max_factors",
+        f"must be an integer >= the {len(tune.lr_factors)} lr_factors, got {tune.max_factors!r}.")
   check(tune.budget > 0, "tune.budget", f"must be FLOPs > 0, got {tune.budget!r}.")
   check(isinstance(tune.seed, int), "tune.seed", f"must be an integer, got {tune.seed!r}.")
   check(0 < t.checkpoint_fraction <= 1, "train.checkpoint_fraction", f"must be in (0, 1], got {t.checkpoint_fraction!r}.")

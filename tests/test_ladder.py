@@ -259,3 +259,16 @@ def test_fit_and_plot_errors_a_newcomer_meets(tmp_path, capsys, monkeypatch):
   code, out = ladder_cli(capsys, "plot", "--points", str(csv), "--reference", "ncp")
   assert code == 2 and out.err.strip() == 'error: plot needs matplotlib: pip install -e ".[experiments]"'
   assert not os.path.exists(tmp_path / "frontier.png")
+
+
+def test_a_tune_whose_best_factor_is_at_an_edge_sweeps_further(tiny_store):
+  from latent_jax.ladder.points import sweep
+  ladder = tiny_ladder(tiny_store, "tune.lr_factors=(0.5,1.0,2.0)", "tune.max_factors=5", tune=True)
+  name = lambda f: f"tune_baseline_2e8_16x1_lr{f:g}_s0"
+  record = lambda losses: {name(f): {"name": name(f), "status": "done", "val_loss": x} for f, x in losses.items()}
+  assert sweep(ladder, "baseline", "16x1", {}) == [0.5, 1.0, 2.0]
+  falling = {0.5: 3.3, 1.0: 3.2, 2.0: 3.1}  # the largest factor is best: one more beyond it
+  assert sweep(ladder, "baseline", "16x1", record(falling)) == [0.5, 1.0, 2.0, 4.0]
+  assert sweep(ladder, "baseline", "16x1", record({**falling, 4.0: 3.15})) == [0.5, 1.0, 2.0, 4.0]  # bracketed
+  rising = {0.5: 3.0, 1.0: 3.2, 2.0: 3.4, 0.25: 2.9, 0.125: 2.8}  # best at the small edge until max_factors
+  assert sweep(ladder, "baseline", "16x1", record(rising)) == [0.125, 0.25, 0.5, 1.0, 2.0]

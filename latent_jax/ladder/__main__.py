@@ -6,7 +6,8 @@
   tune     trains the learning-rate sweep (tune.*) and prints each method's factor (RESULTS/tune.md)
   run      the tune, then the ladder's points, one after another; the plan grows as results land (sizes
            widen until each IsoFLOP minimum is bracketed). --shard I/N takes the points whose name
-           hashes to I, so N jobs split a ladder with no coordinator; --after_point CMD runs a shell
+           hashes to I, so N jobs split a ladder with no coordinator (run `tune --shard` first, and
+           run again once all have ended: the others' results may add points); --after_point CMD runs a shell
            command after each recorded point (LADDER_POINT, LADDER_RESULT set), e.g. to commit it.
            Resumable: a recorded point is only read
   status   done / partial / missing, with each point's last validation loss (from recorded results and

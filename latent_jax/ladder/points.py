@@ -238,11 +238,30 @@ def _loss(result):
 
 # ----------------------------------------------------------------------------- the tune
 
-def tune_points(ladder, data, train_tokens=None):
-  """The learning-rate sweep: each method at each of tune.sizes, tune.budget, every factor of tune.lr_factors."""
+def sweep(ladder, name, size, recorded):
+  """The lr factors `name` trains at `size` in the tune: tune.lr_factors, then, while the lowest recorded
+  loss is at the smallest or largest factor tried, one more step of the sweep's ratio beyond it, up to
+  tune.max_factors (as the ladder widens sizes: a best factor at an edge is not a best factor)."""
   t = ladder.tune
+  factors = sorted(t.lr_factors)
+  ratio = factors[-1] / factors[-2]
+  prefix = f"tune_{name}_{budget_name(t.budget)}_{size}_lr"
+  while len(factors) < t.max_factors:
+    losses = [_loss(recorded.get(f"{prefix}{f:g}_s{t.seed}")) for f in factors]
+    if any(x is None for x in losses):
+      break
+    best = int(np.argmin(losses))
+    if 0 < best < len(factors) - 1:
+      break
+    factors = [float(f"{factors[0] / ratio:.4g}")] + factors if best == 0 else factors + [float(f"{factors[-1] * ratio:.4g}")]
+  return factors
+
+
+def tune_points(ladder, data, train_tokens=None, recorded=None):
+  """The learning-rate sweep: each method at each of tune.sizes and tune.budget, every factor of its sweep."""
+  t, recorded = ladder.tune, recorded or {}
   return [make_point(ladder, name, t.budget, size, t.seed, train_tokens, data, lr_factor=f, stage="tune")
-          for name in ladder.methods for size in t.sizes for f in t.lr_factors]
+          for name in ladder.methods for size in t.sizes for f in sweep(ladder, name, size, recorded)]
 
 
 def lr_factors(ladder, points, recorded):
@@ -312,7 +331,7 @@ def ladder_points(ladder, recorded=None, store_required=True):
   yet planned or cannot be bracketed."""
   recorded = recorded or {}
   train_tokens, data = store_data(ladder, required=store_required)
-  tune = tune_points(ladder, data, train_tokens) if ladder.tune.sizes else []
+  tune = tune_points(ladder, data, train_tokens, recorded) if ladder.tune.sizes else []
   factors = lr_factors(ladder, tune, recorded)
   points, notes = list(tune), []
   waiting = [name for name in ladder.methods if name not in factors]

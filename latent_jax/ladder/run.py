@@ -23,9 +23,6 @@ from latent_jax.ladder.points import ladder_points, read_results, shard
 from latent_jax.train import flops
 from latent_jax.train.metrics import read_metrics
 
-POLL_SECONDS = 60  # a shard with nothing to train waits this long for the others' results
-
-
 def results_dir(ladder, workdir):
   return ladder.results or os.path.join(workdir, "results")
 
@@ -119,9 +116,11 @@ def run_point(ladder, workdir, point, prefix, log):
   return True
 
 
-def run(ladder, workdir, spec="", after="", stages=("tune", "ladder"), log=print, poll=POLL_SECONDS):
+def run(ladder, workdir, spec="", after="", stages=("tune", "ladder"), log=print):
   """Train every point of this shard (--shard spec) of the given stages not yet recorded, re-planning after
-  each; returns the number left unfinished (0: all recorded)."""
+  each; returns the number of this shard's points left unfinished (0: all recorded). A shard does not wait
+  for the others: what they have yet to record (the tune that its points wait for, the results that may
+  widen its sizes) is said, and running it again once they end picks up what that adds."""
   reported = set()
   while True:
     recorded = read_results(results_dir(ladder, workdir))
@@ -132,17 +131,16 @@ def run(ladder, workdir, spec="", after="", stages=("tune", "ladder"), log=print
         log(f"{p.name}: recorded ({recorded[p.name]['status']}, val_loss {recorded[p.name]['val_loss']})")
     reported.update(recorded)
     left = [p for p in mine if p.name not in recorded]
-    if left:
-      point = left[0]
-      if not run_point(ladder, workdir, point, f"[{len(mine) - len(left) + 1}/{len(mine)}] {point.name}", log):
-        return len(left)
-      after_point(after, ladder, workdir, point, log)
-      continue
-    others = [p for p in points if p.name not in recorded and p.stage in stages]
-    waiting = [n for n in notes if "wait" in n] if "ladder" in stages else []
-    if not others and not waiting:
-      for n in notes:
-        log(n)
-      return 0
-    log(f"this shard's points are recorded; waiting {poll} s for other shards' ({len(others)} left)")
-    time.sleep(poll)
+    if not left:
+      break
+    point = left[0]
+    if not run_point(ladder, workdir, point, f"[{len(mine) - len(left) + 1}/{len(mine)}] {point.name}", log):
+      return len(left)
+    after_point(after, ladder, workdir, point, log)
+  others = [p for p in points if p.name not in recorded and p.stage in stages]
+  for n in notes if "ladder" in stages else []:
+    log(n)
+  if others:
+    log(f"this shard's points are recorded; {len(others)} of other shards are not: once they are, run again "
+        "(their results may widen sizes or finish the tune that points here wait for)")
+  return 0

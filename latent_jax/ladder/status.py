@@ -43,8 +43,10 @@ def write_tune(ladder, workdir, log=print):
   rows = [{"method": p.method, "size": p.size, "factor": p.lr_factor,
            "loss": recorded[p.name]["val_loss"] if p.name in recorded else None} for p in tune]
   text = ("# The learning-rate tune\n\nValidation loss (nats/token) at each factor of the rule's learning rate, "
-          f"budget {ladder.tune.budget:.3g} FLOPs, seed {ladder.tune.seed}. Each method's factor (the geometric mean "
-          "of its sizes' best) scales its learning rate at every point of the ladder.\n\n" + tune_markdown(tune_summary(rows)))
+          f"budget {ladder.tune.budget:.3g} FLOPs, seed {ladder.tune.seed}; a sweep whose lowest loss is at its "
+          "smallest or largest factor takes one more factor beyond it (up to tune.max_factors). Each method's "
+          "factor (the geometric mean of its sizes' best) scales its learning rate at every point of the ladder."
+          "\n\n" + tune_markdown(tune_summary(rows)))
   path = os.path.join(results_dir(ladder, workdir), "tune.md")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   paths.write_atomic(path, lambda f: f.write(text.encode()))
