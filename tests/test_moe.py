@@ -10,7 +10,7 @@ from flax import nnx
 
 from conftest import ROOT, TINY, TINY_OVERRIDES
 from latent_jax import ConfigError, build_model, load_config
-from latent_jax.nn.layers import BlockStack, layer_runs
+from latent_jax.nn.layers import BlockStack, layer_segments
 from latent_jax.ops import moe
 
 TINY_MOE = f"{ROOT}/configs/tiny_moe.py"
@@ -83,8 +83,13 @@ def test_bias_update_capacity_and_sparse_layers():
   assert moe.sparse_layers(6, 1, 0) == (True,) * 6
   assert moe.sparse_layers(6, 2, 1) == (False, True, False, True, False, True)
   assert moe.sparse_layers(5, 2, 0) == (True, False, True, False, True)
-  runs = layer_runs((False, True, True, True), 2)  # a dense prefix, then sparse split at the NITP tap
-  assert runs == [(False, 0, 1, 0), (True, 1, 2, 0), (True, 2, 4, 1)]
+  # How the stacks are scanned: runs of one kind, split at the NITP tap; groups of `every` layers repeated.
+  assert layer_segments((False, True, True, True), 2) == [(0, (False,), 1), (1, (True,), 1), (2, (True,), 2)]
+  assert layer_segments(moe.sparse_layers(8, 2, 1), 0, 2) == [(0, (False, True), 4)]
+  assert layer_segments(moe.sparse_layers(7, 2, 0), 0, 2) == [(0, (True, False), 3), (6, (True,), 1)]
+  assert layer_segments(moe.sparse_layers(9, 3, 0), 0, 3) == [(0, (True, False, False), 3)]
+  assert layer_segments(moe.sparse_layers(9, 3, 0), 4, 3) == [(0, (True, False, False), 1), (3, (True,), 1),
+                                                              (4, (False, False, True), 1), (7, (False,), 2)]
 
 
 def test_tile_layout_puts_one_expert_in_each_tile():
@@ -181,6 +186,27 @@ def test_moe_baseline_stacks_and_statistics():
   tapped = model(tokens)
   np.testing.assert_allclose(tapped.logits, out.logits, rtol=1e-5, atol=1e-5)
   assert tapped.aux["nitp_target_state"].shape == (2, 16, 32)
+
+
+@pytest.mark.parametrize("every,first_dense,tap", [(2, 1, 0), (2, 0, 3), (1, 2, 0)])
+def test_scanned_segments_equal_the_layers_one_by_one(every, first_dense, tap):
+  from latent_jax.ops.transformer import window_list
+  cfg = moe_cfg("model.num_layers=6", f"model.moe.every={every}", f"model.moe.first_dense={first_dense}")
+  model = build_model(cfg.model, nnx.Rngs(0))
+  model.nitp_layer = tap
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 320, (2, 16)), jnp.int32)
+  positions, segments = jnp.broadcast_to(jnp.arange(16), (2, 16)), jnp.zeros((2, 16), jnp.int32)
+  out = model(tokens, segments, positions)
+  stack, x, seen = model.blocks, model.embed_tokens(tokens), {False: 0, True: 0}
+  for i, (kind, window) in enumerate(zip(stack.sparse, window_list(6, cfg.model.window, cfg.model.full_attention_every))):
+    graphdef, state = nnx.split(stack.sparse_blocks if kind else stack.blocks)
+    block = nnx.merge(graphdef, jax.tree.map(lambda v: v[seen[kind]], state))
+    seen[kind] += 1
+    x, _ = block(x, positions, segments, window)
+    if i + 1 == tap:
+      np.testing.assert_allclose(out.aux["nitp_target_state"], x, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out.aux["pre_norm"], x, rtol=1e-5, atol=1e-5)
+  assert out.aux["moe"]["load"].shape == (sum(stack.sparse), 4)
 
 
 def test_kv_cache_decoding_through_the_sparse_layers():

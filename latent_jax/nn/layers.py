@@ -261,17 +261,25 @@ def pop_moe_stats(stack):
   return stats
 
 
-def layer_runs(sparse, tap):
-  """Maximal runs of layers of one kind, also split at `tap`: (sparse, first layer, end, first index in its
-  kind's stack) each."""
-  runs, index = [], {False: 0, True: 0}
-  for i, kind in enumerate(sparse):
-    if runs and runs[-1][0] == kind and i != tap:
-      runs[-1][2] += 1
-    else:
-      runs.append([kind, i, i + 1, index[kind]])
-    index[kind] += 1
-  return [tuple(r) for r in runs]
+def layer_segments(sparse, tap, period=1):
+  """How a stack of layers of two kinds (`sparse`: bools) is scanned: (first layer, pattern, repeats) each, in
+  layer order, split at `tap`. A pattern is the kinds of the next `period` layers where they mix both kinds
+  (model.moe.every > 1: a sparse layer and its dense ones), repeated as long as the layers repeat it; else
+  one layer's kind, repeated over a maximal run of it."""
+  segments, bounds = [], [0, tap, len(sparse)] if 0 < tap < len(sparse) else [0, len(sparse)]
+  for i, end in zip(bounds[:-1], bounds[1:]):
+    while i < end:
+      pattern, repeats = tuple(sparse[i:i + period]), 0
+      while period > 1 and i + (repeats + 1) * period <= end and \
+          tuple(sparse[i + repeats * period:i + (repeats + 1) * period]) == pattern:
+        repeats += 1
+      if repeats < 1 or len(set(pattern)) < 2:
+        pattern, repeats = (sparse[i],), 1
+        while i + repeats < end and sparse[i + repeats] == sparse[i]:
+          repeats += 1
+      segments.append((i, pattern, repeats))
+      i += len(pattern) * repeats
+  return segments
 
 
 class BlockStack(nnx.Module):
@@ -282,14 +290,15 @@ class BlockStack(nnx.Module):
   block, or all but its matmuls, in the backward pass instead of storing its activations.
 
   With model.moe the sparse layers (ops.moe.sparse_layers) are a second stack, `sparse_blocks`: a scan needs
-  layers of one structure. The layers run as maximal runs of one kind (`layer_runs`), each a scan over a
-  slice of its kind's stack: one scan each with model.moe.every=1 (all sparse, or a dense prefix then sparse),
-  a scan per layer with every > 1 (compile time then grows with depth).
+  layers of one structure. The stack runs as a few scans (`layer_segments`): each over a run of one kind, or,
+  with model.moe.every > 1, over groups of `every` layers (a sparse one, then its dense ones), each
+  iteration taking its layers' slices of the two stacks. So the number of scans does not grow with depth.
   """
 
   def __init__(self, cfg, num_layers, rngs):
-    self.sparse = (MoE.sparse_layers(num_layers, cfg.moe.every, cfg.moe.first_dense) if moe_enabled(cfg)
-                   else (False,) * num_layers)
+    moe = moe_enabled(cfg)
+    self.sparse = MoE.sparse_layers(num_layers, cfg.moe.every, cfg.moe.first_dense) if moe else (False,) * num_layers
+    self.period = cfg.moe.every if moe else 1
     self.num_layers = num_layers
     self.windows = (num_layers, cfg.window, cfg.full_attention_every)
     if sum(self.sparse) < num_layers:
@@ -305,26 +314,43 @@ class BlockStack(nnx.Module):
     """Returns (x, cache, tapped): `tapped` is the state after the first `tap` layers (None if tap=0)."""
     stacks = {kind: nnx.split(getattr(self, name)) for kind, name in ((False, "blocks"), (True, "sparse_blocks"))
               if hasattr(self, name)}
+    stack = lambda items: jax.tree.map(lambda *a: jnp.stack(a), *items) if items else None
+    merge = lambda a: jax.tree.map(lambda v: v.reshape(-1, *v.shape[2:]), a)  # [repeats, n, ...] -> layers
 
-    def body(graphdef):
-      def step(x, layer):
+    def body(pattern):
+      def step(x, layer):  # one repeat of the pattern: its layers in turn
         params, window, layer_cache = layer
-        block = nnx.merge(graphdef, params)
-        x, layer_cache = block(constrain(x, TOKENS), positions, segment_ids, window, layer_cache, cache_index)
-        return constrain(x, TOKENS), (layer_cache, qk_stats(block), moe_stats(block))
+        caches, qk, routing = [], [], []
+        for j, kind in enumerate(pattern):
+          block = nnx.merge(stacks[kind][0], params[j])
+          x, c = block(constrain(x, TOKENS), positions, segment_ids, window[j],
+                       jax.tree.map(lambda v: v[j], layer_cache), cache_index)
+          x = constrain(x, TOKENS)
+          caches.append(c)
+          qk.append(qk_stats(block))
+          routing += [moe_stats(block)] if kind else []
+        return x, (stack(caches), stack(qk), stack(routing))
       return remat(step, self.remat)
 
-    windows, tapped, outs, moe = T.layer_windows(*self.windows), None, [], []
-    for kind, start, end, first in layer_runs(self.sparse, tap):
+    windows, before, tapped, outs, moe = T.layer_windows(*self.windows), {False: 0, True: 0}, None, [], []
+    for start, pattern, repeats in layer_segments(self.sparse, tap, self.period):
       if tap and start == tap:
         tapped = x
-      graphdef, state = stacks[kind]
-      take = lambda a, lo, hi: jax.tree.map(lambda v: v[lo:hi], a)
-      layers = (take(state, first, first + end - start), windows[start:end], take(cache, start, end))
-      x, (layer_cache, stats, moe_run) = jax.lax.scan(body(graphdef), x, layers, unroll=self.unroll)
-      outs.append((layer_cache, stats))
-      if moe_run is not None:
-        moe.append(moe_run)
+      end = start + len(pattern) * repeats
+      params, rank = [], {False: 0, True: 0}
+      for kind in pattern:  # layer (r, j) is layer before[kind] + r * n + rank of j of its kind's stack
+        n, first = pattern.count(kind), before[kind]
+        params.append(jax.tree.map(lambda v: v[first:first + repeats * n].reshape(repeats, n, *v.shape[1:])[:, rank[kind]],
+                                   stacks[kind][1]))
+        rank[kind] += 1
+      for kind in set(pattern):
+        before[kind] += repeats * pattern.count(kind)
+      group = lambda a: jax.tree.map(lambda v: v[start:end].reshape(repeats, len(pattern), *v.shape[1:]), a)
+      x, (layer_cache, stats, routing) = jax.lax.scan(body(pattern), x, (params, group(windows), group(cache)),
+                                                       unroll=self.unroll)
+      outs.append((merge(layer_cache), merge(stats)))
+      if routing is not None:
+        moe.append(merge(routing))
     if tap and tapped is None:  # tap = num_layers: the final state
       tapped = x
     cache, stats = jax.tree.map(lambda *a: jnp.concatenate(a), *outs) if len(outs) > 1 else outs[0]
