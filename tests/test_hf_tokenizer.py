@@ -81,7 +81,7 @@ def test_hf_tokenizer_trains_evaluates_and_exports(hf_file, corpus_dir, tmp_path
   np.testing.assert_array_equal(same.train_tokens, given.train_tokens)
 
   assert cli("latent_jax.export", "--workdir", str(run), "--out", str(out)).returncode == 0
-  assert sorted(os.listdir(out)) == ["config.json", "params", "tokenizer.json"]
+  assert sorted(os.listdir(out)) == ["config.json", "export.json", "params", "tokenizer.json"]
   ev2 = cli("latent_jax.eval", "--workdir", str(out))
   assert json.loads(ev2.stdout.strip().splitlines()[-1])["val_loss"] == pytest.approx(result["val_loss"], rel=1e-6)
   gen = cli("latent_jax.generate", "--workdir", str(out), "--prompt", "Kar lon", "--temperature=0",

@@ -108,9 +108,11 @@ def test_generate_eval_export_cli(tmp_path, corpus_dir):
 
   out = tmp_path / "export"
   subprocess.run(cli("latent_jax.export", "--workdir", str(run), "--out", str(out)), check=True, cwd=ROOT)
-  assert sorted(os.listdir(out)) == ["config.json", "params", "tokenizer.model"]
+  assert sorted(os.listdir(out)) == ["config.json", "export.json", "params", "tokenizer.model"]
   ev2 = subprocess.run(cli("latent_jax.eval", "--workdir", str(out)), cwd=ROOT, capture_output=True, text=True)
-  assert json.loads(ev2.stdout.strip().splitlines()[-1])["val_loss"] == pytest.approx(result["val_loss"], rel=1e-6)
+  result2 = json.loads(ev2.stdout.strip().splitlines()[-1])
+  assert result2["val_loss"] == pytest.approx(result["val_loss"], rel=1e-6)
+  assert result2["step"] == 6 and result2["source"] == f"export of {run} at step 6"  # not "step": null
 
   texts = []
   for directory in (run, out):
