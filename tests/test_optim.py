@@ -86,6 +86,15 @@ def test_warmup_as_a_fraction_of_the_steps():
   # A TST phase with its own schedule (tst.carry='params') warms up as long as the whole run: 50 of 600 steps.
   fn = learning_rate_schedule(load_config(TINY).optim, 180, total_steps=600)
   assert float(fn(49)) < float(fn(50)) == pytest.approx(3e-3)
+  # A run saved with warmup_steps=50 (tiny.py's before the fraction) resumes with no notice: the same 50 steps.
+  from latent_jax.checkpoint import config_to_json
+  from latent_jax.train import resume
+  saved = config_to_json(load_config(TINY, ["optim.warmup_steps=50"]))
+  saved["optim"]["warmup_steps"] = 50
+  assert resume.check_config(saved, config_to_json(load_config(TINY)), "runs/x/checkpoints/600") == []
+  assert resume.check_config(saved, config_to_json(load_config(TINY, ["train.steps=1200"])), "runs/x/checkpoints/600") == [
+      "resuming with changed config: optim.warmup_steps: 50 -> 0.08333333333333333",
+      "resuming with changed config: train.steps: 600 -> 1200"]
   for bad in ("2.5", "40"):
     with pytest.raises(ConfigError, match=rf"optim\.warmup_steps: {bad} must lie in \[0, train\.steps=40\)"):
       load_config(TINY, ["train.steps=40", f"optim.warmup_steps={bad}"])

@@ -17,10 +17,11 @@ Changes to a resumed run's config fall in three kinds:
                 weights) is taken, and printed.
 """
 import os
+from types import SimpleNamespace
 
 from flax.traverse_util import flatten_dict
 
-from latent_jax.config import ConfigError
+from latent_jax.config import ConfigError, warmup_steps
 from latent_jax import distributed, paths
 from latent_jax.checkpoint import Checkpoints, config_to_json, move_aside
 
@@ -48,8 +49,16 @@ def config_changes(saved, now):
     before = saved.get(field, DEFAULTS.get(field, missing))
     after = now.get(field, DEFAULTS.get(field, missing))
     if before is not missing and after is not missing and before != after and not matches(field, IGNORED):
+      if field == "optim.warmup_steps" and same_warmup(saved, now):
+        continue  # 50 steps then, 50/600 of the same 600 now (configs/tiny.py's fraction): the same schedule
       changes.append((field, before, after))
   return changes
+
+
+def same_warmup(saved, now):
+  """Whether two flattened configs' optim.warmup_steps (steps, or a fraction of train.steps) give one length."""
+  steps = lambda c: warmup_steps(SimpleNamespace(warmup_steps=c["optim.warmup_steps"]), c["train.steps"])
+  return "train.steps" in saved and "train.steps" in now and steps(saved) == steps(now)
 
 
 def check_config(saved, now, path, allow_data_change=False):
