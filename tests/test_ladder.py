@@ -79,13 +79,13 @@ def test_the_rule_is_keyed_on_the_reference_and_the_tune_scales_lr(tiny_store):
   assert not notes and ladder_pts
   for p in ladder_pts:
     ref = next(q for q in ladder_pts if q.method == "baseline" and q.size == p.size and q.seed == p.seed)
-    rows, lr = rule(ladder, ref.params)
+    rows, lr = rule(ladder, ref.active_params)
     factor = {"baseline": 2.0, "tst": 0.5}[p.method]  # the swept factor with the lower loss (two: no parabola)
-    assert (p.batch_size, p.reference_params) == (rows, ref.params)
+    assert (p.batch_size, p.reference_params) == (rows, ref.active_params)
     assert p.lr == pytest.approx(lr * factor, rel=1e-3) and p.lr_factor == factor
-    assert p.warmup_steps == min(max(1, round(ref.params / (rows * ladder.seq_len))), p.steps - 1)  # N tokens
+    assert p.warmup_steps == min(max(1, round(ref.active_params / (rows * ladder.seq_len))), p.steps - 1)  # N tokens
     assert "optim.b2=0.99" in p.overrides and "train.monitors=False" in p.overrides
-  assert any(p.params != p.reference_params for p in ladder_pts if p.method == "tst")  # ConceptLM's own N differs
+  assert any(p.active_params != p.reference_params for p in ladder_pts if p.method == "tst")  # ConceptLM's own N differs
 
 
 def test_sizes_widen_until_the_minimum_is_bracketed(tiny_store):
@@ -272,3 +272,22 @@ def test_a_tune_whose_best_factor_is_at_an_edge_sweeps_further(tiny_store):
   assert sweep(ladder, "baseline", "16x1", record({**falling, 4.0: 3.15})) == [0.5, 1.0, 2.0, 4.0]  # bracketed
   rising = {0.5: 3.0, 1.0: 3.2, 2.0: 3.4, 0.25: 2.9, 0.125: 2.8}  # best at the small edge until max_factors
   assert sweep(ladder, "baseline", "16x1", record(rising)) == [0.125, 0.25, 0.5, 1.0, 2.0]
+
+
+def test_a_mixture_of_experts_counts_active_parameters_and_keeps_the_active_width(tiny_store):
+  """An MoE method: N is its active non-embedding count (a routed expert's weights at top_k / E), each expert
+  mlp_ratio x width / top_k wide, so a token's MLP is as wide as the dense reference's."""
+  from latent_jax.ladder.points import ladder_points
+  ladder = tiny_ladder(tiny_store, f"methods.tst.recipe={ROOT}/configs/tiny_moe.py", "budgets=(4e8,)")
+  for p in ladder_points(ladder)[0]:
+    cfg = p.config()
+    width = cfg.model.d_model
+    if p.method == "baseline":
+      assert p.active_params == p.total_params
+      continue
+    e, k, f = cfg.model.moe.num_experts, cfg.model.moe.top_k, cfg.model.moe.expert_dim
+    assert f == round(3.0 * width / k) and k * f == cfg.model.mlp_dim  # mlp_ratio 3: the dense width
+    experts = cfg.model.num_layers * e * 3 * width * f  # gate, up, down of every expert
+    assert p.total_params - p.active_params == experts - experts * k // e
+    dense = next(q for q in ladder_points(ladder)[0] if q.method == "baseline" and q.size == p.size)
+    assert p.active_params == dense.active_params + cfg.model.num_layers * width * e  # + the router

@@ -84,7 +84,7 @@ def fit_inputs(args):
                      "(python -m latent_jax.ladder run ...).")
   # flops with the LM head, whichever convention set the budgets; both conventions are fitted from them.
   pts = [{"method": r["method"], "flops": r["flops"] + (0 if ladder.count_lm_head else r["lm_head_flops"]),
-          "lm_head_flops": r["lm_head_flops"], "params": r["params"], "tokens": r["tokens"], "loss": r["val_loss"],
+          "lm_head_flops": r["lm_head_flops"], "params": r.get("active_params", r.get("params")), "tokens": r["tokens"], "loss": r["val_loss"],
           "seed": r["seed"], "budget": r["budget"]} for r in done]
   notes = {"budgets": "set " + ("with" if ladder.count_lm_head else "without") + " the LM head's FLOPs",
            "params": "non-embedding parameters of the inference model",

@@ -84,7 +84,7 @@ def plan(ladder, workdir, points, notes=(), measure=True, log=print):
       total_s += seconds
       est = f"{seconds / 60:.1f} min"
     total_flops += p.flops
-    log(f"{p.name:40s} {p.method:9s} {p.params:>9,} {p.flops_per_token:>12.4g} {p.tokens:>11,} {p.steps:>7,} "
+    log(f"{p.name:40s} {p.method:9s} {p.active_params:>9,} {p.flops_per_token:>12.4g} {p.tokens:>11,} {p.steps:>7,} "
         f"{p.batch_size:>5} {p.lr:>8.2e} {p.budget:>8.2g} {est:>8s}")
   convention = "with the LM head" if ladder.count_lm_head else "without the LM head (NCP's C = F_tok x D)"
   estimate = f"; estimated {total_s / 3600:.2f} h on {jax.device_count()} x {jax.devices()[0].device_kind}" \

@@ -30,10 +30,9 @@ import numpy as np
 
 from latent_jax.config import ConfigError, load_config
 from latent_jax.data import store
-from latent_jax.nn import abstract_model
-from latent_jax.train import phases
+from latent_jax.nn import abstract_model, axes_tree
+from latent_jax.train import flops, phases
 
-EMBEDDINGS = ("embed", "lm_head")  # left out of N, as Kaplan et al. and NCP's Appendix D leave them out
 SIZE = re.compile(r"^(\d+)x(\d+)$")
 
 
@@ -51,7 +50,8 @@ class Point:
   seed: int
   recipe: str             # the method's config file ...
   overrides: tuple        # ... and the "a.b=v" overrides that make this point's config of it
-  params: int             # N: non-embedding parameters of the model (training-only heads excluded)
+  active_params: int      # N: active non-embedding parameters of the model (training-only heads excluded)
+  total_params: int       # ... counting every expert of a mixture (= active_params for a dense model)
   reference_params: int   # the reference method's N at this size: the rule's key
   flops_per_token: float  # training FLOPs per data token, under the ladder's convention
   tokens: int             # data tokens the point reads
@@ -86,8 +86,9 @@ def parse_size(size):
   return int(match[1]), int(match[2])
 
 
-def size_overrides(size, family, model_name):
-  """The model fields of one size of the family."""
+def size_overrides(size, family, model):
+  """The model fields of one size of the family (model: the recipe's model section). A mixture of experts
+  keeps the dense MLP's active width: each of its top_k experts is mlp_ratio x width / top_k wide."""
   width, depth = parse_size(size)
   if width % family.head_dim:
     raise ConfigError(f"sizes: {size!r} has d_model {width}, not a multiple of family.head_dim={family.head_dim}; "
@@ -95,7 +96,9 @@ def size_overrides(size, family, model_name):
   heads = width // family.head_dim
   out = [f"model.d_model={width}", f"model.num_heads={heads}", f"model.num_kv_heads={max(1, heads // family.kv_group)}",
          f"model.head_dim={family.head_dim}", f"model.mlp_dim={round(family.mlp_ratio * width)}"]
-  if model_name == "concept":
+  if model.moe.enabled:
+    out.append(f"model.moe.expert_dim={max(1, round(family.mlp_ratio * width / model.moe.top_k))}")
+  if model.name == "concept":
     e, c, d = (max(1, round(f * depth)) for f in family.concept_split)
     out += [f"model.encoder_layers={e}", f"model.concept_layers={c}", f"model.decoder_layers={d}"]
   else:
@@ -108,15 +111,16 @@ def _config(recipe, overrides):
   return load_config(recipe, overrides)
 
 
-def non_embedding_params(cfg):
-  """N of the inference model (cfg.model): every parameter but the token embedding and the LM head."""
-  _, params = abstract_model(cfg.model)
-  return sum(int(np.prod(x.shape)) for k, v in params.items() if k not in EMBEDDINGS for x in jax.tree.leaves(v))
+def parameter_counts(cfg):
+  """(active, total) non-embedding parameters of the inference model (cfg.model): every parameter but the
+  token embedding and the LM head, a routed expert's counted top_k / num_experts in the active count."""
+  _, abstract = abstract_model(cfg.model)
+  return flops.parameter_counts(abstract, axes_tree(abstract), cfg.model)
 
 
 @functools.lru_cache(maxsize=None)
-def _non_embedding_params(recipe, overrides):
-  return non_embedding_params(_config(recipe, overrides))
+def _parameter_counts(recipe, overrides):
+  return parameter_counts(_config(recipe, overrides))
 
 
 def counted_flops(cfg):
@@ -166,12 +170,12 @@ def _sized(ladder, name, size, seed, data):
   m = ladder.methods[name]
   base = list(m.overrides) + data + [f"data.seq_len={ladder.seq_len}", f"train.seed={seed}", "train.monitors=False"]
   try:
-    model_name = _config(m.recipe, tuple(base)).model.name
+    model = _config(m.recipe, tuple(base)).model
   except ConfigError as e:
     raise ConfigError(f"methods.{name}: {e}") from None
-  sized = tuple(base + size_overrides(size, ladder.family, model_name))
+  sized = tuple(base + size_overrides(size, ladder.family, model))
   try:
-    return m.recipe, sized, _non_embedding_params(m.recipe, sized)
+    return m.recipe, sized, _parameter_counts(m.recipe, sized)
   except ConfigError as e:
     raise ConfigError(f"sizes: {size!r} does not fit method {name!r} ({m.recipe}): {e}") from None
 
@@ -179,8 +183,8 @@ def _sized(ladder, name, size, seed, data):
 def make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=1.0, stage="ladder"):
   """One point: the recipe at `size`, trained for the steps that spend `budget`, with the rule's settings
   for the reference's N at that size and the method's lr scaled by `lr_factor`."""
-  recipe, sized, params = _sized(ladder, name, size, seed, data)
-  reference_params = _sized(ladder, ladder.reference, size, seed, data)[2]
+  recipe, sized, (active_params, total_params) = _sized(ladder, name, size, seed, data)
+  reference_params = _sized(ladder, ladder.reference, size, seed, data)[2][0]
   rows, base_lr = rule(ladder, reference_params)
   lr = float(f"{base_lr * lr_factor:.4g}")
   batch_tokens = rows * ladder.seq_len
@@ -205,15 +209,16 @@ def make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=1
   except ConfigError as e:
     raise ConfigError(f"point {name} {budget_name(budget)} {size}: {e}") from None
   total, head, tokens = counted_flops(cfg)
-  flops = total if ladder.count_lm_head else total - head
+  run_flops = total if ladder.count_lm_head else total - head
   if train_tokens is not None and tokens > train_tokens:
     raise ConfigError(f"budgets: {name} at {size} with {budget:.3g} FLOPs reads {tokens:,} tokens, {tokens / train_tokens:.2f}x "
                       f"the {train_tokens:,} training tokens of {ladder.data}: it would see tokens twice. Lower the "
                       "budget, drop the smallest sizes, or prepare a larger corpus (docs/ladder.md).")
   base_name = f"{name}_{budget_name(budget)}_{size}"
   point_name = f"tune_{base_name}_lr{lr_factor:g}_s{seed}" if stage == "tune" else f"{base_name}_s{seed}"
-  return Point(point_name, stage, name, float(budget), size, int(seed), recipe, overrides, params, reference_params,
-               flops / tokens, tokens, steps, rows, warmup, lr, float(lr_factor), flops, head)
+  return Point(point_name, stage, name, float(budget), size, int(seed), recipe, overrides, active_params, total_params,
+               reference_params,
+               run_flops / tokens, tokens, steps, rows, warmup, lr, float(lr_factor), run_flops, head)
 
 
 # ----------------------------------------------------------------------------- results
@@ -300,7 +305,7 @@ def window(ladder, name, budget, seeds, recorded, data):
   if not by_size or len(by_size) < min(k, len(ladder.sizes)):
     raise ConfigError(f"budgets: {budget:.3g} FLOPs is too small: only {len(by_size)} of the sizes {list(ladder.sizes)} "
                       f"get a few steps of {name}; raise the budget or add smaller sizes.")
-  first = sorted(family, key=lambda s: abs(math.log(by_size[s].tokens / by_size[s].params / ladder.tokens_per_param)))[:k]
+  first = sorted(family, key=lambda s: abs(math.log(by_size[s].tokens / by_size[s].active_params / ladder.tokens_per_param)))[:k]
   lo, hi = min(family.index(s) for s in first), max(family.index(s) for s in first)
   prefix = f"{name}_{budget_name(budget)}_"
   while True:
