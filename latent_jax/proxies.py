@@ -247,13 +247,13 @@ BYTE_PIECES_WARNING = 0.25  # the share of a source's scored tokens that are byt
 def warn_byte_pieces(tallies, origin, file=None):
   """One line on stderr (process 0) naming the sources whose scored tokens are largely byte-fallback pieces
   `<0x..>` for this tokenizer: text its training never saw (digits, for a KJV tokenizer), spelt a byte a token,
-  which the proxies then score as such (bits per byte above 8, accuracy below chance: docs/data.md)."""
+  which the proxies then score as such (bits per byte can exceed 8, accuracy fall below chance: docs/data.md)."""
   shares = {s: b / n for s, (b, n) in sorted(tallies.items()) if n and b / n >= BYTE_PIECES_WARNING}
   if shares and jax.process_index() == 0:
     listing = ", ".join(f"{s} {100 * share:.0f}%" for s, share in shares.items())
     print(f"warning: {origin}: the model's tokenizer spells much of these task sets' scored text as byte-fallback "
           f"pieces <0x..>, text its training never saw ({listing} of their tokens), so their proxies measure "
-          "little (bits per byte above 8, accuracy below chance); train the tokenizer on such text too: "
+          "little (bits per byte can exceed 8, accuracy fall below chance); train the tokenizer on such text too: "
           "data.tokenizer_sources (docs/data.md, \"Capability proxies\").", file=file or sys.stderr, flush=True)
 
 
