@@ -66,6 +66,9 @@ def test_balance_losses_match_numpy():
   np.testing.assert_allclose(moe.load_balance_loss(jnp.asarray(scores), jnp.asarray(experts), e),
                              e * np.sum(f * scores.mean(0)), rtol=1e-5)
   np.testing.assert_allclose(moe.expert_load(jnp.asarray(experts), e), f * n)
+  sig = 1 / (1 + np.exp(-logits))  # sigmoid scores: P_e from each token's scores normalised (DeepSeek-V3 Eq. 19)
+  np.testing.assert_allclose(moe.load_balance_loss(jnp.asarray(sig), jnp.asarray(experts), e),
+                             e * np.sum(f * (sig / sig.sum(-1, keepdims=True)).mean(0)), rtol=1e-5)
   lse = np.log(np.exp(logits).sum(-1))
   np.testing.assert_allclose(moe.router_z_loss(jnp.asarray(logits)), lse ** 2, rtol=1e-5)
   # Uniform scores and perfectly balanced choices give k (transformers' OLMoE form).

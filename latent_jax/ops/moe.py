@@ -7,18 +7,16 @@ f an expert's hidden width. Routers (docs/moe.md):
   sigmoid (DeepSeek-V3, Sec. 2.1.2): s = sigmoid(x W_r), the top k of s + b (b: the bias of
     auxiliary-loss-free balancing, for selection only), weights s_i / sum of the chosen s.
 The sparse MLP sorts the N*k (token, expert) pairs by expert and runs each expert's rows through
-grouped matmuls (`jax.lax.ragged_dot`), so compute is that of the k chosen experts, not all E.
+grouped matmuls (`jax.lax.ragged_dot`, or tiles of one expert each on CPU), so compute is that of the k
+chosen experts, not all E.
 """
 import math
 
 import jax
 import jax.numpy as jnp
 
-ROUTERS = ("softmax", "sigmoid")
-
-
 def router_scores(logits, router):
-  """Router scores of logits [N, E] in float32: softmax over experts (OLMoE Eq. 1) or sigmoid (DeepSeek-V3 Eq. 15)."""
+  """Router scores of logits [N, E] in float32: softmax over experts (Switch Eq. 1, OLMoE) or sigmoid (DeepSeek-V3 Eq. 15)."""
   logits = logits.astype(jnp.float32)
   return jax.nn.softmax(logits, axis=-1) if router == "softmax" else jax.nn.sigmoid(logits)
 
@@ -31,7 +29,7 @@ def top_k_experts(scores, k, bias=None):
 
 
 def combine_weights(scores, experts, router, norm_topk_prob):
-  """Gate weights [N, k] of the chosen experts: softmax scores, renormalised if `norm_topk_prob` (OLMoE);
+  """Gate weights [N, k] of the chosen experts: softmax scores, renormalised if `norm_topk_prob` (OLMoE: not);
   sigmoid scores always normalised over the chosen ones (DeepSeek-V3 Eq. 13)."""
   chosen = jnp.take_along_axis(scores, experts, axis=-1)
   if router == "sigmoid" or norm_topk_prob:
@@ -45,14 +43,15 @@ def expert_load(experts, num_experts):
 
 
 def load_balance_loss(scores, experts, num_experts):
-  """Switch / OLMoE load-balancing loss E * sum_e f_e P_e (OLMoE Eq. 3; transformers' load_balancing_loss_func).
+  """Load-balancing loss E * sum_e f_e P_e (Switch Transformer Eq. 4, as OLMoE and transformers' load_balancing_loss_func).
 
-  f_e: fraction of tokens that chose expert e among their k (sums to k), P_e: mean router score of e.
-  With uniform routing and scores it is k; the weight is `moe.lb_loss_weight`.
+  f_e: fraction of tokens that chose expert e among their k (sums to k), P_e: mean router score of e, each
+  token's scores normalised to sum 1 (a softmax's do; DeepSeek-V3 Eq. 19 normalises the sigmoid's). With
+  uniform routing and scores it is k; the weight is `moe.lb_loss_weight`.
   """
   n = scores.shape[0]
   f = expert_load(experts, num_experts) / n
-  p = jnp.mean(scores, axis=0)
+  p = jnp.mean(scores / jnp.sum(scores, axis=-1, keepdims=True), axis=0)
   return num_experts * jnp.sum(f * p)
 
 
@@ -128,7 +127,7 @@ def grouped_swiglu(rows, group_sizes, w_gate, w_up, w_down, impl="auto"):
 
 
 def sparse_swiglu(x, experts, weights, w_gate, w_up, w_down, capacity=0, impl="auto"):
-  """The dropless sparse SwiGLU MLP: sum_i g_i SwiGLU_{e_i}(x) over each token's k experts (OLMoE Eq. 2).
+  """The dropless sparse SwiGLU MLP: sum_i g_i SwiGLU_{e_i}(x) over each token's k experts (DeepSeek-V3 Eq. 12's routed part).
 
   x [N, d], experts [N, k], weights [N, k], w_gate / w_up [E, d, f], w_down [E, f, d]. The N*k pairs are
   sorted by expert, the rows gathered, each expert's rows multiplied by its weights in one grouped matmul
