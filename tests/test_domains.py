@@ -104,7 +104,7 @@ def test_the_docs_commands_write_where_git_ignores(tmp_path):
   import shutil
   import subprocess
   from conftest import ROOT
-  if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")):
+  if shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")):  # a worktree: a file
     pytest.skip("not a git checkout")
   docs = [os.path.join(ROOT, "README.md")] + [os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
                                               if f.endswith(".md")]
