@@ -1,4 +1,5 @@
-"""Hugging Face OLMo-3 folders to latent_jax export folders and back, one tensor at a time.
+"""Hugging Face OLMo-3 folders (and the MoE ones, FlexOlmo and OLMoE) to latent_jax export folders and
+back, one tensor at a time.
 
 import_hf: config.json -> the model section (the rest from a recipe), safetensors -> params/ (a
 params-only Orbax checkpoint, saved one stacked parameter at a time with Orbax's partial saving),
@@ -42,7 +43,7 @@ def nested(path, value):
   return value
 
 
-def check_tensors(reader, plan, hf_dir, tied):
+def check_tensors(reader, plan, hf_dir, tied, family="OLMo-3"):
   """One line naming the first differences between the checkpoint's tensors and those config.json implies."""
   expected = {name: shape for name, _, _, _, shape in plan}
   missing = [n for n in expected if n not in reader.tensors]
@@ -58,12 +59,12 @@ def check_tensors(reader, plan, hf_dir, tied):
   unexpected = sorted(set(reader.tensors) - set(expected) - ({olmo3.NAMES["lm_head"][0]} if tied else set()))
   if unexpected:
     raise ValueError(f"{hf_dir}: tensor {unexpected[0]!r}" + (f" and {len(unexpected) - 1} more" if len(unexpected) > 1
-                     else "") + " not in an OLMo-3 of its config.json; another architecture, or a damaged config.")
+                     else "") + f" not in an {family} of its config.json; another architecture, or a damaged config.")
 
 
 def import_hf(hf_dir, out, recipe, dtype=None):
-  """A Hugging Face OLMo-3 folder -> a latent_jax export folder at `out`; `recipe` (a config) gives
-  every section but the model. `dtype`: the params' (default: the checkpoint's bf16 or float32)."""
+  """A Hugging Face OLMo-3 (FlexOlmo, OLMoE) folder -> a latent_jax export folder at `out`; `recipe` (a
+  config) gives every section but the model. `dtype`: the params' (default: the checkpoint's bf16 or float32)."""
   where = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(where):
     raise FileNotFoundError(f"--hf {hf_dir}: no config.json; give a Hugging Face checkpoint folder.")
@@ -73,6 +74,7 @@ def import_hf(hf_dir, out, recipe, dtype=None):
   except json.JSONDecodeError as e:
     raise ValueError(f"{where} is not JSON ({e}).") from None
   fields = olmo3.model_fields(hf, where)
+  moe = fields.pop("moe", {"enabled": False})
   reader = Reader(hf_dir)
   tokenizer_path = os.path.join(hf_dir, "tokenizer.json")
   if not os.path.isfile(tokenizer_path):
@@ -84,14 +86,19 @@ def import_hf(hf_dir, out, recipe, dtype=None):
   cfg = load.inference_config(recipe)
   cfg.model.update(fields)
   cfg.model.update(param_dtype=dtype, allow_bf16_params=dtype == "bfloat16")
+  if "moe" in cfg.model:
+    cfg.model.moe.update(moe)
+  elif moe["enabled"]:
+    raise ValueError(f"--config: the recipe has no model.moe section for {olmo3.family(hf)}'s experts; give "
+                     "configs/tiny_moe.py or a recipe derived from configs/tiny.py.")
   cfg.data.tokenizer = ""  # the export carries its own
   validate(cfg)
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
                      f"{cfg.model.vocab_size}; they belong to different models.")
   shapes = param_shapes(cfg.model)
-  plan = olmo3.tensors({p: s.shape for p, s in shapes.items()})
-  check_tensors(reader, plan, hf_dir, cfg.model.tie_embeddings)
+  plan = olmo3.tensors({p: s.shape for p, s in shapes.items()}, olmo3.names(cfg.model))
+  check_tensors(reader, plan, hf_dir, cfg.model.tie_embeddings, olmo3.family(hf))
   with removed_on_error(out):
     staging = os.path.join(out, "params.partial")
     for path, shape in shapes.items():
@@ -114,7 +121,8 @@ def import_hf(hf_dir, out, recipe, dtype=None):
 
 
 def export_hf(workdir, out, step=None, dtype=None, max_file_bytes=5 * 2**30):
-  """A baseline run's checkpoint (or an export folder) -> a Hugging Face OLMo-3 folder at `out`, in
+  """A baseline run's checkpoint (or an export folder) -> a Hugging Face OLMo-3 folder at `out` (with
+  model.moe: FlexOlmo for post-norm blocks, OLMoE for pre-norm), in
   safetensors files of at most `max_file_bytes`. `dtype`: the tensors' (default: the model's
   compute dtype, as export.py)."""
   check_out(out)
@@ -131,7 +139,7 @@ def export_hf(workdir, out, step=None, dtype=None, max_file_bytes=5 * 2**30):
   params = (os.path.join(workdir, "params") if checkpoint.is_export(workdir)
             else os.path.join(checkpoint.find_checkpoint(workdir, step)[0].path(step), "params"))
   shapes = param_shapes(cfg.model)
-  plan = olmo3.tensors({p: s.shape for p, s in shapes.items()})
+  plan = olmo3.tensors({p: s.shape for p, s in shapes.items()}, olmo3.names(cfg.model))
   with removed_on_error(out):
     writer = Writer(out, [(name, shape, dtype) for name, _, _, _, shape in plan], max_file_bytes)
     for path, shape in shapes.items():

@@ -1,0 +1,270 @@
+"""Mixture of experts in and out of Hugging Face (`python -m latent_jax.convert`, docs/interop.md) and through
+generation, eval and export (issue 37, items 6 and 7).
+
+Quick tier, without torch: a random MoE baseline (post-norm: FlexOlmo; pre-norm: OLMoE) goes to a Hugging Face
+folder and back bit for bit; what Hugging Face's MoE models cannot express is one `error:` line both ways; a tiny
+MoE trained 3 steps generates greedily through the KV cache the tokens full forwards give, evaluates (validation
+and a proxy task file) and exports, the export giving the run's logits, scores and text.
+Slow tier, with transformers and torch (`pip install -e ".[hf]"`): tiny random FlexOlmoForCausalLM and
+OlmoeForCausalLM built by transformers import with its float32 logits within 1e-5 relative and its greedy
+continuation; the trained MoE (both block orders) exports and AutoModelForCausalLM gives our logits within 1e-5
+and our greedy continuation; lm-eval's tasks run on the MoE (`eval --lm_eval_tasks`).
+"""
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import ROOT, TINY, TINY_OVERRIDES
+from latent_jax import load_config
+from latent_jax.infer import generate, load_model
+from latent_jax.interop import hf
+from latent_jax.interop.safetensors_stream import Reader
+import test_interop
+from test_interop import relative, saved, torch_and_transformers
+from test_cli_errors import check_one_error_line, run_main
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # nothing from the hub: every model here is built in the test
+TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe.py")
+# A MoE baseline FlexOlmo / OLMoE express: full attention, every layer sparse, top-2 of 4 experts.
+MOE = TINY_OVERRIDES + ["model.moe.enabled=True", "model.moe.num_experts=4", "model.moe.top_k=2",
+                        "model.moe.expert_dim=16", "model.window=0"]
+
+
+def random_moe(out, tokenizer_file, order="post", extra=()):
+  """An export folder of a MoE baseline with random params (test_interop.random_export's)."""
+  return test_interop.random_export(out, tokenizer_file, MOE[len(TINY_OVERRIDES):] + [f"model.block_order={order}",
+                                                                                      *extra])
+
+
+@pytest.mark.parametrize("order,architecture", [("post", "FlexOlmoForCausalLM"), ("pre", "OlmoeForCausalLM")])
+def test_moe_round_trip_without_torch(tmp_path, hf_tokenizer_file, order, architecture):
+  """Ours -> FlexOlmo / OLMoE -> ours: the same params bit for bit and the same model section; the experts in
+  the files' form (one tensor per expert, as save_pretrained writes them)."""
+  cfg, params = random_moe(str(tmp_path / "ours"), hf_tokenizer_file, order, ["model.moe.norm_topk_prob=True"])
+  hf.export_hf(str(tmp_path / "ours"), str(tmp_path / "hf"))
+  spec = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert spec["architectures"] == [architecture]
+  assert (spec["num_experts"], spec["num_experts_per_tok"], spec["intermediate_size"], spec["norm_topk_prob"]) == (
+      4, 2, 16, True)
+  names = Reader(str(tmp_path / "hf")).tensors
+  assert Reader(str(tmp_path / "hf")).shape("model.layers.1.mlp.experts.3.down_proj.weight") == (32, 16)
+  assert ("model.layers.0.input_layernorm.weight" in names) == (order == "pre")
+  assert ("model.layers.0.post_feedforward_layernorm.weight" in names) == (order == "post")
+  back = str(tmp_path / "back")
+  hf.import_hf(str(tmp_path / "hf"), back, load_config(TINY))  # a dense recipe: the experts come from config.json
+  got = saved(back)
+  assert got.keys() == params.keys()
+  for path, value in params.items():
+    np.testing.assert_array_equal(got[path], value, err_msg=path)
+  imported = load_config(os.path.join(back, "config.json")).model
+  for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "block_order", "window",
+                "norm_eps", "rope_base", "tie_embeddings"):
+    assert imported[field] == cfg.model[field], field
+  for field in ("enabled", "num_experts", "top_k", "expert_dim", "router", "norm_topk_prob", "shared_experts",
+                "every", "first_dense", "capacity_factor"):
+    assert imported.moe[field] == cfg.model.moe[field], field
+
+
+@pytest.mark.parametrize("extra,names", [
+    (["model.moe.shared_experts=1"], ["model.moe.shared_experts=1", "set model.moe.shared_experts=0", "FlexOlmo"]),
+    (["model.moe.router=sigmoid"], ["model.moe.router='sigmoid'", "softmax"]),
+    (["model.moe.first_dense=1"], ["model.moe.first_dense=1", "every layer sparse"]),
+    (["model.moe.every=2"], ["model.moe.every=2"]),
+    (["model.moe.capacity_factor=1.0"], ["model.moe.capacity_factor=1.0", "dropless"]),
+    (["model.window=8"], ["model.window=8", "full attention"]),
+    (["model.qk_norm=head"], ["model.qk_norm='head'"]),
+])
+def test_moe_that_transformers_cannot_express_is_refused(tmp_path, hf_tokenizer_file, capsys, extra, names):
+  random_moe(str(tmp_path / "ours"), hf_tokenizer_file, "post", extra)
+  code, err = run_main("latent_jax.convert", ["--workdir", str(tmp_path / "ours"), "--out", str(tmp_path / "o")],
+                       capsys)
+  check_one_error_line(code, err, names)
+  assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def flex_folder(tmp_path_factory, hf_tokenizer_file):
+  """A FlexOlmo folder exported from a random MoE, to break in the test below."""
+  root = tmp_path_factory.mktemp("flex")
+  random_moe(str(root / "ours"), hf_tokenizer_file)
+  hf.export_hf(str(root / "ours"), str(root / "hf"))
+  return root / "hf"
+
+
+QWEN = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 64}
+
+
+@pytest.mark.parametrize("config,names", [
+    (QWEN, ["'qwen2_moe'", "FlexOlmo ('flex_olmo', FlexOlmoForCausalLM)", "OLMoE ('olmoe', OlmoeForCausalLM)"]),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, ["'mixtral'", "OLMo-3 ('olmo3'"]),
+    ({"shared_expert_intermediate_size": 64}, ["FlexOlmo with shared_expert_intermediate_size=64", "no shared experts"]),
+    ({"sliding_window": 16}, ["FlexOlmo with sliding_window=16", "full attention"]),
+    ({"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "clip_qkv": 8.0}, ["OLMoE with clip_qkv=8.0"]),
+    ({"num_experts_per_tok": 5}, ["num_experts_per_tok=5 of num_experts=4"]),
+    ({"num_experts": 3}, ["'model.layers.0.mlp.gate.weight' is [4, 32]", "[3, 32]"]),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, ["rope_type 'linear'"]),
+])
+def test_unsupported_hf_moe_checkpoints_are_one_line_errors(flex_folder, tmp_path, capsys, config, names):
+  source = test_interop.broken(flex_folder, tmp_path, config=config)
+  code, err = run_main("latent_jax.convert", ["--hf", str(source), "--config", TINY, "--out", str(tmp_path / "o")],
+                       capsys)
+  check_one_error_line(code, err, names)
+  assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ item 7: a trained MoE generates, evaluates, exports
+
+def train_moe(workdir, corpus_dir, tokenizer_file, order="post"):
+  from latent_jax.train.loop import train
+  cfg = load_config(TINY_MOE, MOE + [f"model.block_order={order}", f"data.source={corpus_dir}",
+                                     f"data.tokenizer={tokenizer_file}", "train.steps=3", "optim.warmup_steps=1",
+                                     "train.eval_every=0", "train.checkpoint_every=3"])
+  train(cfg, workdir)
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def trained_moe(tmp_path_factory, corpus_dir, hf_tokenizer_file):
+  """A tiny MoE (top-2 of 4, every layer sparse, post-norm) trained 3 steps with a Hugging Face tokenizer."""
+  run = str(tmp_path_factory.mktemp("moe") / "run")
+  train_moe(run, corpus_dir, hf_tokenizer_file)
+  return run
+
+
+def greedy_by_full_forwards(model, prompt, new):
+  """Greedy decoding without a cache: a full forward over each prefix (the model is causal, so one padded
+  length serves every prefix)."""
+  graphdef, params = nnx.split(model)
+  forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)
+  tokens = np.zeros((prompt.shape[0], prompt.shape[1] + new), np.int32)
+  tokens[:, :prompt.shape[1]] = prompt
+  for i in range(prompt.shape[1], tokens.shape[1]):
+    tokens[:, i] = np.argmax(forward(params, jnp.asarray(tokens))[:, i - 1], axis=-1)
+  return tokens
+
+
+def test_moe_greedy_generation_through_the_cache(tmp_path, hf_tokenizer_file):
+  """infer.generate (prompt prefilled into the KV cache, then a token a step) on a random pre-norm MoE gives the
+  tokens of greedy full forwards without a cache (the trained post-norm one: the slow tier below)."""
+  random_moe(str(tmp_path / "ours"), hf_tokenizer_file, "pre")
+  model = load_model(str(tmp_path / "ours"))[0]
+  prompt = np.random.default_rng(0).integers(2, 300, size=(2, 5))
+  got = np.asarray(generate(model, prompt, 10, jax.random.key(0), temperature=0.0))
+  np.testing.assert_array_equal(got, greedy_by_full_forwards(model, prompt, 10))
+
+
+@pytest.mark.slow  # a training, eval, export and the generate command: compiles
+def test_trained_moe_generates_evaluates_and_exports(trained_moe, tmp_path, capsys):
+  """Greedy generation through the KV cache equals full forwards; eval gives validation and proxy scores; the
+  export gives the same logits, scores and generated text (python -m latent_jax.generate on both)."""
+  model, cfg, _ = load_model(trained_moe)
+  assert cfg.model.moe.enabled
+  prompt = np.random.default_rng(0).integers(2, 300, size=(2, 5))
+  got = np.asarray(generate(model, prompt, 12, jax.random.key(0), temperature=0.0))
+  np.testing.assert_array_equal(got, greedy_by_full_forwards(model, prompt, 12))
+
+  tasks = tmp_path / "tasks.jsonl"
+  tasks.write_text("".join(json.dumps(r) + "\n" for r in [
+      {"prompt": "Kar lon", "continuation": " mith.", "source": "toy", "capability": "text"},
+      {"prompt": "Seth", "choices": [" tav.", " lon mith.", " kar."], "gold": 1, "source": "toy", "capability": "text"}]))
+  results = []
+  for directory in (trained_moe, str(tmp_path / "export")):
+    if directory != trained_moe:
+      from latent_jax.export import main as export_main
+      export_main(["--workdir", trained_moe, "--out", directory])
+    capsys.readouterr()
+    from latent_jax.eval import main as eval_main
+    eval_main(["--workdir", directory, "--tasks", str(tasks), "--val"])
+    results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+  for result in results:
+    assert result["step"] == 3 and 0 < result["val_loss"] < 10
+    assert np.isfinite(result["proxy/text/nll"]) and 0 <= result["proxy/text/acc"] <= 1
+  for key in ("val_loss", "proxy/text/nll", "proxy/text/margin"):
+    assert results[1][key] == pytest.approx(results[0][key], rel=1e-6), key
+
+  exported = load_model(str(tmp_path / "export"))[0]
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 300, size=(2, 24)))
+  np.testing.assert_array_equal(exported(tokens).logits, model(tokens).logits)
+  texts = []
+  from latent_jax.generate import main as generate_main
+  for directory in (trained_moe, str(tmp_path / "export")):
+    capsys.readouterr()
+    generate_main(["--workdir", directory, "--prompt", "Kar lon", "--temperature=0", "--max_new_tokens=8"])
+    texts.append(capsys.readouterr().out)
+  assert texts[0] == texts[1] and texts[0].startswith("Kar lon")
+
+
+# ------------------------------------------------------------------------------------- slow tier: transformers
+
+def random_hf(kind, folder, tokenizer_file, **extra):
+  """A tiny random FlexOlmoForCausalLM or OlmoeForCausalLM saved by transformers, every weight drawn (norm
+  scales around 1), with the test tokenizer."""
+  torch, transformers = torch_and_transformers()
+  config = getattr(transformers, f"{kind}Config")(
+      vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+      num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, eos_token_id=0, pad_token_id=1,
+      bos_token_id=None, **extra)
+  model = getattr(transformers, f"{kind}ForCausalLM")(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      norm = "norm" in name
+      p.copy_(torch.randn_like(p) * (0.1 if norm else 0.15) + (1.0 if norm else 0.0))
+  model.save_pretrained(folder)
+  shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
+  return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,extra,order", [
+    ("FlexOlmo", {}, "post"), ("FlexOlmo", {"norm_topk_prob": True}, "post"), ("Olmoe", {}, "pre")])
+def test_hf_moe_imports_with_transformers_logits(tmp_path, hf_tokenizer_file, kind, extra, order):
+  """Float32 logits of the imported model within 1e-5 relative of transformers' (two rows of 40 tokens), and
+  the same 20-token greedy continuation through the KV cache."""
+  torch, _ = torch_and_transformers()
+  model = random_hf(kind, tmp_path / "hf", hf_tokenizer_file, **extra)
+  out = str(tmp_path / "ours")
+  assert run_main_ok(["--hf", str(tmp_path / "hf"), "--config", TINY_MOE, "--out", out])
+  tokens = np.random.default_rng(0).integers(0, 320, size=(2, 40))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.double().numpy()
+    continuation = model.generate(torch.tensor(tokens[:1, :6]), do_sample=False, max_new_tokens=20).numpy()
+  ours, cfg, _ = load_model(out)
+  assert (cfg.model.block_order, cfg.model.moe.num_experts, cfg.model.moe.norm_topk_prob) == (
+      order, 6, bool(extra.get("norm_topk_prob")))
+  assert relative(ours(jnp.asarray(tokens)).logits, want) < 1e-5
+  got = np.asarray(generate(ours, tokens[:1, :6], 20, jax.random.key(0), temperature=0.0))
+  np.testing.assert_array_equal(got[:, :continuation.shape[1]], continuation)
+
+
+def run_main_ok(argv):
+  from latent_jax.convert import main
+  main(argv)
+  return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["post", "pre"])
+def test_trained_moe_exports_to_transformers(tmp_path, corpus_dir, hf_tokenizer_file, trained_moe, order):
+  """A MoE trained 3 steps -> Hugging Face (FlexOlmo / OLMoE): AutoModelForCausalLM gives our logits within 1e-5
+  relative and our greedy continuation."""
+  torch, transformers = torch_and_transformers()
+  run = trained_moe if order == "post" else str(tmp_path / "run")
+  if order == "pre":
+    train_moe(run, corpus_dir, hf_tokenizer_file, "pre")
+  assert run_main_ok(["--workdir", run, "--out", str(tmp_path / "hf")])
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  assert type(model).__name__ == {"post": "FlexOlmoForCausalLM", "pre": "OlmoeForCausalLM"}[order]
+  ours = load_model(run)[0]
+  tokens = np.random.default_rng(2).integers(0, 300, size=(2, 32))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.double().numpy()
+    continuation = model.generate(torch.tensor(tokens[:1, :6]), do_sample=False, max_new_tokens=20).numpy()
+  assert relative(ours(jnp.asarray(tokens)).logits, want) < 1e-5
+  got = np.asarray(generate(ours, tokens[:1, :6], 20, jax.random.key(0), temperature=0.0))
+  np.testing.assert_array_equal(got[:, :continuation.shape[1]], continuation)
