@@ -69,7 +69,8 @@ def get_config():
   c.rule.beta2_below_batch_tokens = 524_288  # after Porian et al. 2024); larger batches keep the recipe's
 
   # The learning-rate tune (python -m latent_jax.ladder tune; run does it first): each method at two sizes
-  # and every factor of the rule's lr; its factor (geometric mean of the sizes' best) scales its lr everywhere.
+  # and every factor of the rule's lr; the best factors, interpolated in ln N between the two sizes (held beyond),
+  # scale the method's lr at every size.
   c.tune = ml_collections.ConfigDict()
   c.tune.budget = 2e12
   c.tune.sizes = ("32x2", "64x2")      # () = no tune: every method at the rule's lr

@@ -219,7 +219,7 @@ def test_a_tiny_ladder_end_to_end(tiny_store, tmp_path):
   out = subprocess.run(base + ["plan", *flags], capture_output=True, text=True, env=env, cwd=ROOT)
   assert out.returncode == 0 and "estimated" in out.stdout, out.stderr
   out = subprocess.run(base + ["tune", *flags], capture_output=True, text=True, env=env, cwd=ROOT)
-  assert out.returncode == 0 and "method's factor" in out.stdout, out.stderr[-3000:]
+  assert out.returncode == 0 and "best factor" in out.stdout, out.stderr[-3000:]
   log = str(tmp_path / "after.log")
   for i in range(2):
     out = subprocess.run(base + ["run", *flags, f"--shard={i}/2", f"--after_point=echo $LADDER_POINT >> {log}"],

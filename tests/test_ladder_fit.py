@@ -243,3 +243,15 @@ def test_plot_ladder_writes_two_pngs(tmp_path):
            for c in BUDGETS]
   lines = plot_ladder(table, fit.fit_ladder(table, reference="ncp"), str(tmp_path / "table"))
   assert "isoflop.png not drawn: the points give no sizes" in lines[0] and not os.path.exists(tmp_path / "table" / "isoflop.png")
+
+
+def test_tune_best_factor_and_its_interpolation_over_sizes():
+  from latent_jax.ladder.tune import best_factor, factor_at
+  factors = [0.25, 0.5, 1.0, 2.0, 4.0]
+  loss = [3.0 + 0.05 * math.log(f / 1.3) ** 2 for f in factors]  # a parabola in ln(factor), vertex at 1.3
+  assert best_factor(factors, loss)[0] == pytest.approx(1.3) and best_factor(factors, loss)[1] == "parabola"
+  assert best_factor(factors, sorted(loss))[1] == "edge"  # falling: the smallest factor is best
+  assert best_factor([0.5, 1.0, 2.0], [3.1, 3.0, math.inf]) == (1.0, "best")  # a diverged run: no parabola
+  summary = {"sizes": {"a": {"params": 1e4, "factor": 1.0}, "b": {"params": 4e4, "factor": 4.0}}}
+  assert factor_at(summary, 2e4) == pytest.approx(2.0)  # halfway in ln N: halfway in ln(factor)
+  assert factor_at(summary, 1e3) == 1.0 and factor_at(summary, 1e6) == 4.0  # held beyond the tuned sizes

@@ -269,16 +269,21 @@ def tune_points(ladder, data, train_tokens=None, recorded=None):
           for name in ladder.methods for size in t.sizes for f in sweep(ladder, name, size, recorded)]
 
 
-def lr_factors(ladder, points, recorded):
-  """{method: the tune's lr factor} once every tune point of a method is recorded, else that method is
-  missing (no tune: every factor 1). The analysis itself is latent_jax/ladder/tune.py (numpy only)."""
+def tuned(ladder, points, recorded):
+  """{method: its tune summary (latent_jax/ladder/tune.py, numpy only)} for every method whose tune points
+  are all recorded; without a tune, every method with no summary (factor 1)."""
   from latent_jax.ladder.tune import tune_summary
   if not ladder.tune.sizes:
-    return {name: 1.0 for name in ladder.methods}
-  rows = [{"method": p.method, "size": p.size, "factor": p.lr_factor, "loss": _loss(recorded.get(p.name))}
-          for p in points]
-  summary = tune_summary(rows)
-  return {m: s["factor"] for m, s in summary.items() if s["complete"]}
+    return {name: None for name in ladder.methods}
+  rows = [{"method": p.method, "size": p.size, "params": p.reference_params, "factor": p.lr_factor,
+           "loss": _loss(recorded.get(p.name))} for p in points]
+  return {m: s for m, s in tune_summary(rows).items() if s["complete"]}
+
+
+def lr_factor(summary, params):
+  """The method's lr factor at the rule's key N = params: 1 without a tune (tune.factor_at)."""
+  from latent_jax.ladder.tune import factor_at
+  return 1.0 if summary is None else factor_at(summary, params)
 
 
 # ----------------------------------------------------------------------------- sizes per method and budget
@@ -337,9 +342,9 @@ def ladder_points(ladder, recorded=None, store_required=True):
   recorded = recorded or {}
   train_tokens, data = store_data(ladder, required=store_required)
   tune = tune_points(ladder, data, train_tokens, recorded) if ladder.tune.sizes else []
-  factors = lr_factors(ladder, tune, recorded)
+  summaries = tuned(ladder, tune, recorded)
   points, notes = list(tune), []
-  waiting = [name for name in ladder.methods if name not in factors]
+  waiting = [name for name in ladder.methods if name not in summaries]
   if waiting:
     notes.append(f"the ladder's points of {', '.join(waiting)} wait for their tune points")
   windows = {}
@@ -353,9 +358,10 @@ def ladder_points(ladder, recorded=None, store_required=True):
     for seed in ladder.seeds:
       for name in ladder.methods:
         # A method still waiting for its tune is checked all the same (every error before anything trains).
-        made = [make_point(ladder, name, budget, size, seed, train_tokens, data, lr_factor=factors.get(name, 1.0))
+        made = [make_point(ladder, name, budget, size, seed, train_tokens, data,
+                           lr_factor=lr_factor(summaries.get(name), _sized(ladder, ladder.reference, size, seed, data)[2][0]))
                 for size in windows[budget, name]]
-        points += made if name in factors else []
+        points += made if name in summaries else []
   return points, notes
 
 

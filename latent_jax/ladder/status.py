@@ -2,7 +2,7 @@
 import os
 
 from latent_jax import paths
-from latent_jax.ladder.points import ladder_points, lr_factors, read_results
+from latent_jax.ladder.points import ladder_points, read_results
 from latent_jax.ladder.run import read_result, results_dir
 from latent_jax.ladder.tune import tune_markdown, tune_summary
 from latent_jax.train.metrics import read_metrics
@@ -40,16 +40,16 @@ def write_tune(ladder, workdir, log=print):
     return None
   recorded = read_results(results_dir(ladder, workdir))
   tune = [p for p in ladder_points(ladder, recorded, store_required=False)[0] if p.stage == "tune"]
-  rows = [{"method": p.method, "size": p.size, "factor": p.lr_factor,
+  rows = [{"method": p.method, "size": p.size, "params": p.reference_params, "factor": p.lr_factor,
            "loss": recorded[p.name]["val_loss"] if p.name in recorded else None} for p in tune]
   text = ("# The learning-rate tune\n\nValidation loss (nats/token) at each factor of the rule's learning rate, "
           f"budget {ladder.tune.budget:.3g} FLOPs, seed {ladder.tune.seed}; a sweep whose lowest loss is at its "
-          "smallest or largest factor takes one more factor beyond it (up to tune.max_factors). Each method's "
-          "factor (the geometric mean of its sizes' best) scales its learning rate at every point of the ladder."
-          "\n\n" + tune_markdown(tune_summary(rows)))
+          "smallest or largest factor takes one more factor beyond it (up to tune.max_factors). A method's factor "
+          "at a point's size is interpolated in ln N between its tuned sizes' best (held at the nearest beyond "
+          "them, where the rule's N^-1/3 carries the learning rate).\n\n" + tune_markdown(tune_summary(rows)))
   path = os.path.join(results_dir(ladder, workdir), "tune.md")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   paths.write_atomic(path, lambda f: f.write(text.encode()))
   log(text)
-  log(f"wrote {path}; factors so far: {lr_factors(ladder, tune, recorded)}")
+  log(f"wrote {path}")
   return path
