@@ -1,4 +1,4 @@
-"""The CPU ladder (docs/ladder.md): baseline, NCP, NITP and TST, 3 budgets x 3-5 sizes x 3 seeds, on 2 cores.
+"""The CPU ladder (docs/ladder.md): baseline, NCP, NITP, TST and a tiny MoE, 3 budgets x 3-5 sizes x 3 seeds, on 2 cores.
 
   apt-get install -y dict-gcide python3.11-doc python3.11
   python experiments/ladder_corpus.py --out data/ladder_text
@@ -39,6 +39,7 @@ def get_config():
   c.methods.ncp = method("tiny_ncp.py")
   c.methods.nitp = method("tiny_nitp.py")
   c.methods.tst = method("tiny_tst.py")
+  c.methods.moe = method("tiny_moe.py")  # top-2 of 8 experts, each mlp_ratio x width / 2 wide; N = active parameters
   c.reference = "baseline"             # the method every multiplier is measured against
 
   c.budgets = (2e12, 5e12, 1.2e13)     # training FLOPs of each point
