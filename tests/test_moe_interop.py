@@ -237,7 +237,9 @@ def test_hf_moe_imports_with_transformers_logits(tmp_path, hf_tokenizer_file, ki
   ours, cfg, _ = load_model(out)
   assert (cfg.model.block_order, cfg.model.moe.num_experts, cfg.model.moe.norm_topk_prob) == (
       order, 6, bool(extra.get("norm_topk_prob")))
-  assert relative(ours(jnp.asarray(tokens)).logits, want) < 1e-5
+  error = relative(ours(jnp.asarray(tokens)).logits, want)
+  print(f"\nrelative logit difference: {error:.1e}")
+  assert error < 1e-5
   got = np.asarray(generate(ours, tokens[:1, :6], 20, jax.random.key(0), temperature=0.0))
   np.testing.assert_array_equal(got[:, :continuation.shape[1]], continuation)
 
@@ -265,6 +267,47 @@ def test_trained_moe_exports_to_transformers(tmp_path, corpus_dir, hf_tokenizer_
   with torch.no_grad():
     want = model(torch.tensor(tokens)).logits.double().numpy()
     continuation = model.generate(torch.tensor(tokens[:1, :6]), do_sample=False, max_new_tokens=20).numpy()
-  assert relative(ours(jnp.asarray(tokens)).logits, want) < 1e-5
+  error = relative(ours(jnp.asarray(tokens)).logits, want)
+  print(f"\nrelative logit difference: {error:.1e}")
+  assert error < 1e-5
   got = np.asarray(generate(ours, tokens[:1, :6], 20, jax.random.key(0), temperature=0.0))
   np.testing.assert_array_equal(got[:, :continuation.shape[1]], continuation)
+
+
+MC = [{"question": f"{w}.", "choices": [" Kar lon.", " Tam mis sed.", " Nul."], "label": i % 3}
+      for i, w in enumerate(["Kar lon mith sethal", "Nur tad mis kap", "Lol sen tam", "Mip tav nuth ses kal"])]
+
+
+@pytest.mark.slow
+def test_lm_eval_on_a_moe_matches_the_hf_model(trained_moe, tmp_path, capsys):
+  """eval --lm_eval_tasks on the trained MoE (a multiple-choice task written here, offline) prints its accuracy;
+  lm-eval's own `hf` model on the MoE's FlexOlmo export gives the same per-example loglikelihoods (within 1e-4)."""
+  os.environ["HF_DATASETS_OFFLINE"] = "1"
+  lm_eval = pytest.importorskip("lm_eval", reason="needs the eval extra: pip install -e '.[eval]'")
+  pytest.importorskip("transformers", reason="the hf model needs the hf extra: pip install -e '.[hf]'")
+  from lm_eval.api.registry import get_model
+  from lm_eval.tasks import TaskManager
+  from latent_jax.eval import main as eval_main
+  from latent_jax.harness import LatentJaxLM
+  (tmp_path / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in MC))
+  (tmp_path / "moe_mc.yaml").write_text(
+      f"task: moe_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'mc.jsonl'}\n"
+      "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+      "doc_to_target: label\nmetric_list:\n  - metric: acc\n")
+  capsys.readouterr()
+  eval_main(["--workdir", trained_moe, "--lm_eval_tasks", "moe_mc", "--include_path", str(tmp_path), "--batch_size",
+             "4", "--noval"])
+  line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert 0 <= line["lm_eval/moe_mc/acc"] <= 1
+  run_main_ok(["--workdir", trained_moe, "--out", str(tmp_path / "hf")])
+  manager = TaskManager(include_path=str(tmp_path))
+  scores = []
+  for model in (LatentJaxLM(workdir=trained_moe, batch_size=4, max_length=24),
+                get_model("hf")(pretrained=str(tmp_path / "hf"), dtype="float32", device="cpu", batch_size=4,
+                                max_length=24)):
+    out = lm_eval.simple_evaluate(model=model, tasks=["moe_mc"], task_manager=manager, log_samples=True)
+    scores.append([r[0][0] for s in sorted(out["samples"]["moe_mc"], key=lambda s: s["doc_id"]) for r in s["resps"]])
+  assert len(scores[0]) == 3 * len(MC)
+  diff = max(abs(g - w) for g, w in zip(*scores))
+  print(f"\nmax |loglikelihood ours - hf|: {diff:.1e} over {len(scores[0])} choices")
+  assert diff < 1e-4
