@@ -97,6 +97,38 @@ def flex_folder(tmp_path_factory, hf_tokenizer_file):
   return root / "hf"
 
 
+def fused(folder, out):
+  """A copy of a FlexOlmo folder with each layer's experts fused as transformers 5 holds them
+  (save_pretrained(save_original_format=False)): gate_up_proj [E, 2f, d], down_proj [E, d, f]."""
+  from latent_jax.interop.safetensors_stream import Writer
+  shutil.copytree(folder, out)
+  os.remove(out / "model.safetensors")
+  reader = Reader(str(folder))
+  plain = {n: reader.read(n) for n in reader.tensors if ".experts." not in n}
+  spec = json.loads((folder / "config.json").read_text())
+  for layer in range(spec["num_hidden_layers"]):
+    expert = lambda e, kind: reader.read(f"model.layers.{layer}.mlp.experts.{e}.{kind}.weight")
+    experts = range(spec["num_experts"])
+    plain[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.stack(
+        [np.concatenate([expert(e, "gate_proj"), expert(e, "up_proj")]) for e in experts])
+    plain[f"model.layers.{layer}.mlp.experts.down_proj"] = np.stack([expert(e, "down_proj") for e in experts])
+  writer = Writer(str(out), [(n, v.shape, v.dtype) for n, v in plain.items()])
+  for n, v in plain.items():
+    writer.write(n, v)
+  writer.close()
+  return out
+
+
+def test_fused_experts_import_as_the_files_form(flex_folder, tmp_path):
+  """A checkpoint with transformers 5's fused experts imports to the same params as the per-expert files."""
+  hf.import_hf(str(flex_folder), str(tmp_path / "a"), load_config(TINY))
+  hf.import_hf(str(fused(flex_folder, tmp_path / "fused")), str(tmp_path / "b"), load_config(TINY))
+  a, b = saved(str(tmp_path / "a")), saved(str(tmp_path / "b"))
+  assert a.keys() == b.keys()
+  for path in a:
+    np.testing.assert_array_equal(a[path], b[path], err_msg=path)
+
+
 QWEN = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 64}
 
 
@@ -202,9 +234,9 @@ def test_trained_moe_generates_evaluates_and_exports(trained_moe, tmp_path, caps
 
 # ------------------------------------------------------------------------------------- slow tier: transformers
 
-def random_hf(kind, folder, tokenizer_file, **extra):
-  """A tiny random FlexOlmoForCausalLM or OlmoeForCausalLM saved by transformers, every weight drawn (norm
-  scales around 1), with the test tokenizer."""
+def random_hf(kind, folder, tokenizer_file, files_form=True, **extra):
+  """A tiny random FlexOlmoForCausalLM or OlmoeForCausalLM saved by transformers (one tensor per expert, or
+  with `files_form` False its fused experts), every weight drawn (norm scales around 1), with the test tokenizer."""
   torch, transformers = torch_and_transformers()
   config = getattr(transformers, f"{kind}Config")(
       vocab_size=320, hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -215,19 +247,22 @@ def random_hf(kind, folder, tokenizer_file, **extra):
     for name, p in model.named_parameters():
       norm = "norm" in name
       p.copy_(torch.randn_like(p) * (0.1 if norm else 0.15) + (1.0 if norm else 0.0))
-  model.save_pretrained(folder)
+  model.save_pretrained(folder, save_original_format=files_form)
   shutil.copyfile(tokenizer_file, folder / "tokenizer.json")
   return model
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,extra,order", [
-    ("FlexOlmo", {}, "post"), ("FlexOlmo", {"norm_topk_prob": True}, "post"), ("Olmoe", {}, "pre")])
+    ("FlexOlmo", {}, "post"), ("FlexOlmo", {"norm_topk_prob": True, "files_form": False}, "post"), ("Olmoe", {}, "pre")])
 def test_hf_moe_imports_with_transformers_logits(tmp_path, hf_tokenizer_file, kind, extra, order):
   """Float32 logits of the imported model within 1e-5 relative of transformers' (two rows of 40 tokens), and
-  the same 20-token greedy continuation through the KV cache."""
+  the same 20-token greedy continuation through the KV cache; saved with one tensor per expert or fused."""
   torch, _ = torch_and_transformers()
   model = random_hf(kind, tmp_path / "hf", hf_tokenizer_file, **extra)
+  from safetensors import safe_open
+  with safe_open(tmp_path / "hf" / "model.safetensors", "np") as f:
+    assert ("model.layers.0.mlp.experts.gate_up_proj" in f.keys()) == (extra.get("files_form") is False)
   out = str(tmp_path / "ours")
   assert run_main_ok(["--hf", str(tmp_path / "hf"), "--config", TINY_MOE, "--out", out])
   tokens = np.random.default_rng(0).integers(0, 320, size=(2, 40))

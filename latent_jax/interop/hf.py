@@ -11,6 +11,7 @@ Every check (config, tensor names, shapes, tokenizer) runs before anything is wr
 import contextlib
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -62,6 +63,44 @@ def check_tensors(reader, plan, hf_dir, tied, family="OLMo-3"):
                      else "") + f" not in an {family} of its config.json; another architecture, or a damaged config.")
 
 
+class FusedExperts:
+  """A Reader that shows transformers 5's fused experts (save_pretrained(save_original_format=False)): a layer's
+  `mlp.experts.gate_up_proj` [E, 2f, d] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+  [E, d, f], as the files' one tensor per expert (`mlp.experts.{e}.gate_proj.weight` ...); every other tensor as
+  it is. Reading an expert reads its layer's fused tensor once (kept until another is read)."""
+  FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+  def __init__(self, reader):
+    self.reader, self.tensors, self.parts, self.last = reader, {}, {}, (None, None)
+    for name, entry in reader.tensors.items():
+      match, shape = self.FUSED.match(name), entry[2]
+      if not match or len(shape) != 3:
+        self.tensors[name] = entry
+        continue
+      experts, rows, cols = shape
+      halves = ("gate_proj", "up_proj") if match[2] == "gate_up_proj" else ("down_proj",)
+      rows //= len(halves)
+      for e in range(experts):
+        for i, half in enumerate(halves):
+          self.tensors[f"{match[1]}.{e}.{half}.weight"] = (entry[0], entry[1], (rows, cols))
+          self.parts[f"{match[1]}.{e}.{half}.weight"] = (name, e, slice(i * rows, (i + 1) * rows))
+
+  def shape(self, name):
+    return self.tensors[name][2]
+
+  def dtype(self, name):
+    return self.tensors[name][1]
+
+  def read(self, name):
+    if name not in self.parts:
+      return self.reader.read(name)
+    fused, e, rows = self.parts[name]
+    if self.last[0] != fused:
+      self.last = (None, None)  # the previous one freed first
+      self.last = (fused, self.reader.read(fused))
+    return np.array(self.last[1][e, rows])
+
+
 def import_hf(hf_dir, out, recipe, dtype=None):
   """A Hugging Face OLMo-3 (FlexOlmo, OLMoE) folder -> a latent_jax export folder at `out`; `recipe` (a
   config) gives every section but the model. `dtype`: the params' (default: the checkpoint's bf16 or float32)."""
@@ -75,7 +114,7 @@ def import_hf(hf_dir, out, recipe, dtype=None):
     raise ValueError(f"{where} is not JSON ({e}).") from None
   fields = olmo3.model_fields(hf, where)
   moe = fields.pop("moe", {"enabled": False})
-  reader = Reader(hf_dir)
+  reader = FusedExperts(Reader(hf_dir))
   tokenizer_path = os.path.join(hf_dir, "tokenizer.json")
   if not os.path.isfile(tokenizer_path):
     raise FileNotFoundError(f"--hf {hf_dir}: no tokenizer.json; the export needs the checkpoint's tokenizer.")
