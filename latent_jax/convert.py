@@ -1,14 +1,16 @@
 """python -m latent_jax.convert --hf HF_DIR --config RECIPE --out DIR [--dtype=bfloat16] [--config.a.b=v ...]
    python -m latent_jax.convert --workdir DIR --out HF_DIR [--step=N] [--dtype=float32]
 
-Hugging Face OLMo-3 checkpoints in and out (docs/interop.md).
---hf: a transformers OLMo-3 folder (config.json, safetensors files, tokenizer.json) -> a latent_jax
+Hugging Face OLMo-3 checkpoints in and out, and the mixture-of-experts FlexOlmo (post-norm) and OLMoE
+(pre-norm) ones (docs/interop.md).
+--hf: a transformers OLMo-3, FlexOlmo or OLMoE folder (config.json, safetensors files, tokenizer.json) -> a latent_jax
 export folder (params/, config.json, tokenizer.json) that generate, eval, train.init_from and plan
 (--config DIR/config.json) read. Its model section comes from config.json, every other section
 from the recipe --config (e.g. configs/olmo3_7b.py). The params keep the checkpoint's dtype unless
 --dtype says otherwise.
---workdir: a baseline run's checkpoint or an export folder -> a folder (config.json, safetensors
-files, tokenizer files) that transformers' AutoModelForCausalLM and AutoTokenizer load, in the
+--workdir: a baseline run's checkpoint or an export folder (a MoE: FlexOlmo if post-norm, OLMoE if
+pre-norm) -> a folder (config.json, safetensors files, tokenizer files) that transformers'
+AutoModelForCausalLM and AutoTokenizer load, in the
 model's compute dtype unless --dtype says otherwise.
 Tensors are converted one at a time: memory stays near the largest stacked parameter, not the model.
 """
@@ -18,7 +20,7 @@ from latent_jax.config import DTYPES
 from latent_jax import cli, distributed
 from latent_jax.interop import hf
 
-FLAGS = [cli.Flag("hf", str, None, "a Hugging Face OLMo-3 folder to import"),
+FLAGS = [cli.Flag("hf", str, None, "a Hugging Face OLMo-3, FlexOlmo or OLMoE folder to import"),
          cli.Flag("workdir", str, None, "a baseline run's workdir or an export folder, to export to Hugging Face"),
          cli.Flag("out", str, cli.REQUIRED, "the folder to write, which must not exist yet"),
          cli.CONFIG._replace(default=None, help="with --hf: the recipe whose sections but the model the export "

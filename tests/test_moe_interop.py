@@ -64,7 +64,7 @@ def test_moe_round_trip_without_torch(tmp_path, hf_tokenizer_file, order, archit
     np.testing.assert_array_equal(got[path], value, err_msg=path)
   imported = load_config(os.path.join(back, "config.json")).model
   for field in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "block_order", "window",
-                "norm_eps", "rope_base", "tie_embeddings"):
+                "norm_eps", "rope_base", "tie_embeddings", "rope_scaling", "yarn_factor", "yarn_original_context"):
     assert imported[field] == cfg.model[field], field
   for field in ("enabled", "num_experts", "top_k", "expert_dim", "router", "norm_topk_prob", "shared_experts",
                 "every", "first_dense", "capacity_factor"):
@@ -152,9 +152,9 @@ def test_unsupported_hf_moe_checkpoints_are_one_line_errors(flex_folder, tmp_pat
 
 # ------------------------------------------------------------------ item 7: a trained MoE generates, evaluates, exports
 
-def train_moe(workdir, corpus_dir, tokenizer_file, order="post"):
+def train_moe(workdir, corpus_dir, tokenizer_file, order="post", extra=()):
   from latent_jax.train.loop import train
-  cfg = load_config(TINY_MOE, MOE + [f"model.block_order={order}", f"data.source={corpus_dir}",
+  cfg = load_config(TINY_MOE, MOE + [*extra, f"model.block_order={order}", f"data.source={corpus_dir}",
                                      f"data.tokenizer={tokenizer_file}", "train.steps=3", "optim.warmup_steps=1",
                                      "train.eval_every=0", "train.checkpoint_every=3"])
   train(cfg, workdir)
@@ -288,12 +288,13 @@ def run_main_ok(argv):
 @pytest.mark.slow
 @pytest.mark.parametrize("order", ["post", "pre"])
 def test_trained_moe_exports_to_transformers(tmp_path, corpus_dir, hf_tokenizer_file, trained_moe, order):
-  """A MoE trained 3 steps -> Hugging Face (FlexOlmo / OLMoE): AutoModelForCausalLM gives our logits within 1e-5
-  relative and our greedy continuation."""
+  """A MoE trained 3 steps -> Hugging Face (FlexOlmo; OLMoE with YaRN): AutoModelForCausalLM gives our logits
+  within 1e-5 relative and our greedy continuation."""
   torch, transformers = torch_and_transformers()
   run = trained_moe if order == "post" else str(tmp_path / "run")
   if order == "pre":
-    train_moe(run, corpus_dir, hf_tokenizer_file, "pre")
+    train_moe(run, corpus_dir, hf_tokenizer_file, "pre", ["model.rope_scaling=yarn", "model.yarn_original_context=16",
+                                                          "model.yarn_factor=4.0"])
   assert run_main_ok(["--workdir", run, "--out", str(tmp_path / "hf")])
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
   assert type(model).__name__ == {"post": "FlexOlmoForCausalLM", "pre": "OlmoeForCausalLM"}[order]
