@@ -86,7 +86,12 @@ def fit_inputs(args):
   pts = [{"method": r["method"], "flops": r["flops"] + (0 if ladder.count_lm_head else r["lm_head_flops"]),
           "lm_head_flops": r["lm_head_flops"], "params": r.get("active_params", r.get("params")), "tokens": r["tokens"], "loss": r["val_loss"],
           "seed": r["seed"], "budget": r["budget"]} for r in done]
+  r = ladder.rule
   notes = {"budgets": "set " + ("with" if ladder.count_lm_head else "without") + " the LM head's FLOPs",
+           "settings": (f"batch (tokens ~ N^{r.batch_exponent:.3g}), warmup ({r.warmup_tokens_per_param:g} x N tokens) "
+                        f"and base learning rate (~ N^{r.lr_exponent:.3g}) keyed on {ladder.reference}'s N at each size; "
+                        "each method's learning rate times its tuned factor (tune.md); Adam's beta2 "
+                        f"{r.beta2} below {r.beta2_below_batch_tokens:,}-token batches"),
            "params": "non-embedding parameters of the inference model",
            "loss": "validation loss, nats/token, the whole held-out split of " + ladder.data,
            "points": f"{len(done)} finished points recorded"}

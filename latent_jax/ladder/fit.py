@@ -571,8 +571,8 @@ def _closing(result):
 
 
 def report_markdown(result):
-  """The fit as markdown: raw minima first, then the pooled multipliers, then what is left out and why."""
-  out = []
+  """The fit as markdown: what the points are (notes), raw minima, the pooled multipliers, what is left out."""
+  out = [f"- {k}: {v}" for k, v in result["notes"].items()] + ([""] if result["notes"] else [])
   for title, lines, header, rows in _sections(result):
     out += [f"### {title}", ""] + [x + "\n" for x in lines]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
