@@ -181,12 +181,13 @@ def test_moe_baseline_stacks_and_statistics():
   assert axes["blocks"]["sparse_blocks"]["mlp"]["gate"] == ("expert", "embed", "mlp")
   assert axes["blocks"]["sparse_blocks"]["mlp"]["router"] == ("embed", "expert")
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 320, (2, 16)), jnp.int32)
-  out = model(tokens)
+  forward = nnx.jit(lambda m, t: m(t))
+  out = forward(model, tokens)
   assert out.aux["moe"]["load"].shape == (3, 4) and np.all(np.asarray(out.aux["moe"]["load"]).sum(-1) == 2 * 16 * 2)
   assert not hasattr(model.blocks, "moe_stats")  # popped: nothing traced stays on the module
   # The NITP tap splits a run; the result is the same.
   model.nitp_layer = 2
-  tapped = model(tokens)
+  tapped = forward(model, tokens)
   np.testing.assert_allclose(tapped.logits, out.logits, rtol=1e-5, atol=1e-5)
   assert tapped.aux["nitp_target_state"].shape == (2, 16, 32)
 
@@ -216,10 +217,11 @@ def test_kv_cache_decoding_through_the_sparse_layers():
   cfg = moe_cfg("model.moe.first_dense=1", "model.moe.router=sigmoid")
   model = build_model(cfg.model, nnx.Rngs(0))
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 320, (1, 10)), jnp.int32)
-  full = model(tokens).logits
+  full = nnx.jit(lambda m, t: m(t).logits)(model, tokens)
+  decode = nnx.jit(lambda m, t, c, i: m(t, cache=c, cache_index=i))
   cache, steps = model.init_cache(1, 10), []
   for i in range(10):
-    out = model(tokens[:, i:i + 1], cache=cache, cache_index=i)
+    out = decode(model, tokens[:, i:i + 1], cache, jnp.int32(i))
     cache = out.cache
     steps.append(out.logits[:, 0])
   np.testing.assert_allclose(jnp.stack(steps, 1), full, rtol=1e-4, atol=1e-5)
@@ -234,7 +236,7 @@ def test_concept_lm_with_moe_builds_and_runs():
   batch = {k: jnp.asarray(np.random.default_rng(0).integers(0, 320, (2, 32)), jnp.int32)
            for k in ("inputs", "targets")}
   batch.update(segment_ids=jnp.zeros((2, 32), jnp.int32), positions=jnp.broadcast_to(jnp.arange(32), (2, 32)))
-  total, metrics = ncp_objective(model, batch, cfg)
+  total, metrics = nnx.jit(lambda m, b: ncp_objective(m, b, cfg))(model, batch)
   assert np.isfinite(float(total)) and np.isfinite(float(metrics["moe_lb_loss"]))
   assert float(metrics["router_z_loss"]) > 0
 
@@ -250,7 +252,8 @@ def test_moe_composes_with_nitp_mtp_and_tst_bags(config, objective):
   from latent_jax import objectives
   cfg = load_config(f"{ROOT}/configs/{config}", [*TINY_OVERRIDES, "model.moe.enabled=True", *MOE,
                                                   "model.moe.first_dense=1", "mtp.enabled=True"])
-  total, metrics = getattr(objectives, objective)(build_model(cfg, nnx.Rngs(0)), random_batch(), cfg)
+  total, metrics = nnx.jit(lambda m, b: getattr(objectives, objective)(m, b, cfg))(build_model(cfg, nnx.Rngs(0)),
+                                                                                   random_batch())
   assert np.isfinite(float(total))
   assert metrics["moe_load"].shape == (1, 4)  # one sparse layer of 4 experts
   tokens = 2 * 32 // (cfg.tst.s if "tst" in cfg else 1)  # TST phase 1: the bags route like tokens
