@@ -324,3 +324,19 @@ def test_bad_moe_settings_are_config_errors(override, names, tmp_path, capsys):
                                                      "--workdir", str(tmp_path / "run")], capsys)
   check_one_error_line(code, err, names[:1])
   assert not (tmp_path / "run").exists()
+
+
+def test_concept_lm_decoding_through_the_sparse_layers():
+  """ConceptLM with model.moe, token by token from an empty cache (the concept module in its lax.cond): the
+  full forward's logits at every position."""
+  from test_generate_concept import random_model
+  graphdef, params = random_model("model.moe.enabled=True", "model.moe.num_experts=4", "model.moe.top_k=2",
+                                  "model.moe.expert_dim=8", "model.moe.router=sigmoid")
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 9)))
+  full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t).logits)(params, tokens)
+  cache = nnx.merge(graphdef, params).init_cache(2, 9)
+  step = jax.jit(lambda p, t, c, i: nnx.merge(graphdef, p)(t, cache=c, cache_index=i))
+  for i in range(9):
+    out = step(params, tokens[:, i:i + 1], cache, i)
+    cache = out.cache
+    np.testing.assert_allclose(out.logits[:, 0], full[:, i], rtol=1e-5, atol=1e-5, err_msg=f"position {i}")
