@@ -2,13 +2,16 @@
 generation, eval and export (issue 37, items 6 and 7).
 
 Quick tier, without torch: a random MoE baseline (post-norm: FlexOlmo; pre-norm: OLMoE) goes to a Hugging Face
-folder and back bit for bit; what Hugging Face's MoE models cannot express is one `error:` line both ways; a tiny
-MoE trained 3 steps generates greedily through the KV cache the tokens full forwards give, evaluates (validation
-and a proxy task file) and exports, the export giving the run's logits, scores and text.
-Slow tier, with transformers and torch (`pip install -e ".[hf]"`): tiny random FlexOlmoForCausalLM and
-OlmoeForCausalLM built by transformers import with its float32 logits within 1e-5 relative and its greedy
-continuation; the trained MoE (both block orders) exports and AutoModelForCausalLM gives our logits within 1e-5
-and our greedy continuation; lm-eval's tasks run on the MoE (`eval --lm_eval_tasks`).
+folder and back bit for bit (experts one tensor per expert, or fused as transformers 5 holds them); what Hugging
+Face's MoE models cannot express is one `error:` line both ways; a random MoE generates greedily through the KV
+cache the tokens full forwards give.
+Slow tier: the same for ConceptLM with sparse modules (its concept cache); a tiny MoE trained 3 steps generates
+through the cache as full forwards, evaluates (validation, a proxy task file) and exports, the export giving the
+run's logits, scores and text. With transformers and torch (`pip install -e ".[hf]"`): tiny random
+FlexOlmoForCausalLM and OlmoeForCausalLM built by transformers import with its float32 logits within 1e-5
+relative and its greedy continuation; the trained MoE (both block orders) exports and AutoModelForCausalLM gives
+our logits within 1e-5 and our greedy continuation; `eval --lm_eval_tasks` runs on the MoE, and lm-eval's own
+`hf` model on its export gives the same loglikelihoods.
 """
 import json
 import os
@@ -189,6 +192,20 @@ def test_moe_greedy_generation_through_the_cache(tmp_path, hf_tokenizer_file):
   prompt = np.random.default_rng(0).integers(2, 300, size=(2, 5))
   got = np.asarray(generate(model, prompt, 10, jax.random.key(0), temperature=0.0))
   np.testing.assert_array_equal(got, greedy_by_full_forwards(model, prompt, 10))
+
+
+@pytest.mark.slow  # ConceptLM's decode compiles: ~1 min on the shared 2 cores
+def test_concept_moe_greedy_generation_through_the_caches():
+  """ConceptLM with every module's MLP sparse: generate (KV cache and concept cache: the concept module runs as a
+  chunk completes, inside the prompt too) gives the tokens of greedy full forwards."""
+  from latent_jax import build_model
+  cfg = load_config(os.path.join(ROOT, "configs", "tiny_ncp.py"), TINY_OVERRIDES + MOE[len(TINY_OVERRIDES):] + [
+      "model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=2", "model.concept_layers=1",
+      "model.decoder_layers=1"])
+  model = build_model(cfg.model, nnx.Rngs(0))
+  prompt = np.random.default_rng(3).integers(0, 300, size=(2, 6))
+  got = np.asarray(generate(model, prompt, 9, jax.random.key(0), temperature=0.0))
+  np.testing.assert_array_equal(got, greedy_by_full_forwards(model, prompt, 9))
 
 
 @pytest.mark.slow  # a training, eval, export and the generate command: compiles
