@@ -103,7 +103,8 @@ def get_config():
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = -1                     # -1: all devices left over
   c.mesh.fsdp = 1
-  c.mesh.tensor = 1                    # data, fsdp, tensor: within one slice
+  c.mesh.expert = 1                    # expert parallelism: splits model.moe's experts (and, like data, the batch)
+  c.mesh.tensor = 1                    # data, fsdp, expert, tensor: within one slice
   c.mesh.slices = 1                    # TPU slices (or groups of hosts) the data axis spans, over DCN; fsdp, tensor stay inside one
 
   c.kernels = ml_collections.ConfigDict()

@@ -214,12 +214,17 @@ def validate(cfg):
       raise ConfigError(f"optim.trainable: {trainable!r} is not a valid regex ({e}).") from None
   check(isinstance(t.get("init_from", ""), str), "train.init_from", "must be a path ('' = a fresh model).")
 
-  for axis in ("data", "fsdp", "tensor"):
-    size = cfg.mesh[axis]
+  for axis in ("data", "fsdp", "expert", "tensor"):
+    size = cfg.mesh.get(axis, 1)  # mesh.expert: 1 in configs saved before it
     check(isinstance(size, int) and (size == -1 or size >= 1), f"mesh.{axis}",
           f"{size!r} must be >= 1, or -1 to take the devices left over.")
-  check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1, "mesh.data/fsdp/tensor",
-        "at most one may be -1 (fill).")
+  check([cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.get("expert", 1), cfg.mesh.tensor].count(-1) <= 1,
+        "mesh.data/fsdp/expert/tensor", "at most one may be -1 (fill).")
+  expert = cfg.mesh.get("expert", 1)
+  if moe_enabled(m) and isinstance(expert, int) and expert > 1:  # -1: sharding.check_experts, once the devices are known
+    check(m.moe.num_experts % expert == 0, "mesh.expert",
+          f"{expert} does not divide model.moe.num_experts={m.moe.num_experts} (the expert axis splits the experts); "
+          f"use a mesh.expert that divides {m.moe.num_experts}, or a multiple of {expert} experts.")
   slices = cfg.mesh.get("slices", 1)
   check(isinstance(slices, int) and slices >= 1, "mesh.slices", f"{slices!r} must be a positive integer (1: one slice).")
   check_choice(cfg.kernels.impl, "kernels.impl", KERNEL_IMPLS)

@@ -3,7 +3,9 @@
 Lowers and compiles the config's real train step ahead of time for TOPO, on abstract state
 (no weights are allocated), and prints per device: parameters, optimiser state, batch,
 temporaries, the peak (arguments, outputs not written over the donated state, temporaries and
-code), the device's memory and whether the peak fits, the step's FLOPs and the compile time.
+code), the device's memory and whether the peak fits, the step's FLOPs (active: a sparse MLP counts the
+experts a token runs, docs/moe.md) and the compile time; before them N, the non-embedding parameters
+(and, with model.moe, those active per token).
 XLA:TPU refuses to compile a step whose temporaries exceed the chip; plan then reports the
 temporaries its message gives. A TST config plans each phase. Then the same for the steps that
 read the trained model on those devices, laid out as the training lays it out: the eval step
@@ -38,7 +40,7 @@ import pallas_kernels
 from latent_jax.config import trainable_setting, validate
 from latent_jax import cli, distributed, sharding
 from latent_jax.nn import abstract_model, axes_tree
-from latent_jax.train import phases
+from latent_jax.train import flops, phases
 from latent_jax.train import step as steps
 from latent_jax.train.optim import build_optimizer
 from latent_jax.infer.sample import cache_shardings, make_decode_step
@@ -170,6 +172,7 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None, reading=True):
                      "state it with --hbm_gib.")
   mesh = sharding.make_mesh(cfg.mesh, devices)
   sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
+  sharding.check_experts(cfg.model, mesh)
   runs = phases.plan(cfg)
   print(f"{len(devices)} x {devices[0].device_kind} ({name}), mesh "
         + " ".join(f"{k}={v}" for k, v in mesh.shape.items()) + f", {hbm / GIB:.2f} GiB per device ({hbm_source})")
@@ -177,6 +180,9 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None, reading=True):
   # As in the train loop: the state's shardings and layout are the same in every phase.
   graphdef, abstract_params = abstract_model(cfg)
   axes = axes_tree(abstract_params)
+  active, non_embedding = flops.parameter_counts(abstract_params, axes, cfg.model)
+  print(f"N: {non_embedding:,} non-embedding parameters" + (f", {active:,} active per token (model.moe: "
+        f"top_k {cfg.model.moe.top_k} of {cfg.model.moe.num_experts} experts)" if active != non_embedding else ""))
   tx, _ = build_optimizer(cfg.optim, runs[0].schedule_steps, axes, trainable_setting(cfg),
                           total_steps=cfg.train.steps)
   shardings = steps.state_shardings(abstract_params, tx, mesh)
@@ -204,7 +210,7 @@ def plan(cfg, topology="local", hbm_gib=None, slices=None, reading=True):
     print(report_reading(name, r, hbm))
   peak = max(r["peak_bytes"] for r in results)
   return {"topology": topology, "slices": slices, "devices": len(devices), "device_kind": devices[0].device_kind,
-          "mesh": dict(mesh.shape), "peak_gib": peak / GIB, "hbm_gib": hbm / GIB, "hbm_source": hbm_source,
+          "mesh": dict(mesh.shape), "nonembedding_params": non_embedding, "active_params": active, "peak_gib": peak / GIB, "hbm_gib": hbm / GIB, "hbm_source": hbm_source,
           "fits": peak <= hbm, "phases": results, **reading}
 
 

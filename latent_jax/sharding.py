@@ -1,4 +1,4 @@
-"""The device mesh (data, fsdp, tensor) and one rules table from logical axis names to it.
+"""The device mesh (data, fsdp, expert, tensor) and one rules table from logical axis names to it.
 
 Parameters name their axes in `nnx.Param` metadata; activations name theirs where the model
 calls `constrain`, which pins them to the mesh of the step being traced (`use_mesh`).
@@ -13,14 +13,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from latent_jax.config import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
-AXIS_TYPES = (AxisType.Auto,) * 3  # Explicit axes (the jax.make_mesh default) break the embedding gather
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+AXIS_TYPES = (AxisType.Auto,) * 4  # Explicit axes (the jax.make_mesh default) break the embedding gather
 
-# Logical axis -> mesh axes. The batch spreads over data and fsdp; fsdp also splits the
-# model dimension of every matrix, tensor splits heads, MLP width and vocabulary. An activation
-# keeps its model dimension ("act_embed") whole: fsdp already splits its batch.
+# Logical axis -> mesh axes. The batch spreads over data, fsdp and expert (as MaxText and DeepSeek
+# spread it); fsdp also splits the model dimension of every matrix, expert splits the experts of a
+# sparse MLP (model.moe), tensor splits heads, MLP width and vocabulary. An activation keeps its
+# model dimension ("act_embed") whole: the batch axes already split its batch.
 RULES = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "embed": "fsdp",
     "vocab": "tensor",
     "heads": "tensor",
@@ -32,29 +33,34 @@ RULES = {
     "length": None,
     "head_dim": None,
     "lora": None,  # a LoRA factor's rank dim (nn/lora.py): small, replicated
-    "expert": None,  # model.moe's expert dim: replicated for now (expert parallelism, an `expert` mesh axis: to come)
+    "expert": "expert",  # model.moe's expert dim: expert parallelism (docs/moe.md, "Expert parallelism")
 }
 
 
+def mesh_sizes(mesh_cfg):
+  """The config's sizes in MESH_AXES order (mesh.expert: 1 in configs saved before it)."""
+  return [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.get("expert", 1), mesh_cfg.tensor]
+
+
 def mesh_shape(mesh_cfg, num_devices):
-  """(data, fsdp, tensor) sizes with -1 filled in; an error if they do not use the devices."""
-  sizes = [mesh_cfg.data, mesh_cfg.fsdp, mesh_cfg.tensor]
+  """(data, fsdp, expert, tensor) sizes with -1 filled in; an error if they do not use the devices."""
+  sizes = mesh_sizes(mesh_cfg)
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
-      raise ConfigError(f"mesh: data*fsdp*tensor without the -1 entry is {known}, which does not divide the "
+      raise ConfigError(f"mesh: data*fsdp*expert*tensor without the -1 entry is {known}, which does not divide the "
                         f"{num_devices} devices; choose sizes whose product divides {num_devices}.")
     sizes[sizes.index(-1)] = num_devices // known
   if math.prod(sizes) != num_devices:
-    raise ConfigError(f"mesh: data*fsdp*tensor = {'*'.join(map(str, sizes))} = {math.prod(sizes)}, but there are "
+    raise ConfigError(f"mesh: data*fsdp*expert*tensor = {'*'.join(map(str, sizes))} = {math.prod(sizes)}, but there are "
                       f"{num_devices} devices; make the product {num_devices} or set one entry to -1.")
   return tuple(sizes)
 
 
 def make_mesh(mesh_cfg, devices=None):
-  """The (data, fsdp, tensor) mesh. With mesh.slices = S > 1 the sizes are those of one slice and
-  the data axis runs S times over them: slice s holds data rows s*data .. (s+1)*data - 1, so only
-  the data-parallel gradient reduction crosses slices (DCN); fsdp and tensor stay on ICI."""
+  """The (data, fsdp, expert, tensor) mesh. With mesh.slices = S > 1 the sizes are those of one slice
+  and the data axis runs S times over them: slice s holds data rows s*data .. (s+1)*data - 1, so only
+  the data-parallel gradient reduction crosses slices (DCN); fsdp, expert and tensor stay on ICI."""
   devices = jax.devices() if devices is None else devices
   slices = mesh_cfg.get("slices", 1)
   if len(devices) % slices:
@@ -76,7 +82,7 @@ def inference_mesh(mesh_cfg, devices=None):
   try:
     shape = mesh_shape(mesh_cfg, len(devices))
   except ConfigError:
-    shape = (1, len(devices), 1)
+    shape = (1, len(devices), 1, 1)
   return jax.make_mesh(shape, MESH_AXES, axis_types=AXIS_TYPES, devices=devices)
 
 
@@ -202,16 +208,30 @@ def replicated(mesh):
   return NamedSharding(mesh, P())
 
 
+def batch_shards(mesh):
+  """How many shards a batch is split into: the product of the batch's mesh axes (data*fsdp*expert)."""
+  return math.prod(mesh.shape[a] for a in RULES["batch"])
+
+
 def check_batch(batch_size, mesh, microbatches):
-  """Each of the train.microbatches splits of a batch must divide over the data*fsdp mesh shards."""
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  """Each of the train.microbatches splits of a batch must divide over the data*fsdp*expert mesh shards."""
+  shards = batch_shards(mesh)
   if batch_size % shards:
-    raise ConfigError(f"data.batch_size={batch_size} does not divide over data*fsdp={shards} mesh shards; "
+    raise ConfigError(f"data.batch_size={batch_size} does not divide over data*fsdp*expert={shards} mesh shards; "
                       f"use a multiple of {shards}.")
   if batch_size % (microbatches * shards):
     raise ConfigError(f"data.batch_size={batch_size} in train.microbatches={microbatches} microbatches of "
-                      f"{batch_size // microbatches} rows does not divide over data*fsdp={shards} mesh shards; "
+                      f"{batch_size // microbatches} rows does not divide over data*fsdp*expert={shards} mesh shards; "
                       f"use a batch size that is a multiple of {microbatches * shards}, or fewer microbatches.")
+
+
+def check_experts(model_cfg, mesh):
+  """model.moe.num_experts must divide over the expert mesh axis (mesh.expert), which splits the experts."""
+  size = mesh.shape["expert"]
+  if size > 1 and "moe" in model_cfg and model_cfg.moe.enabled and model_cfg.moe.num_experts % size:
+    raise ConfigError(f"model.moe.num_experts={model_cfg.moe.num_experts} does not divide over mesh.expert={size} "
+                      f"devices, which split the experts; use a mesh.expert that divides {model_cfg.moe.num_experts} "
+                      f"or a multiple of {size} experts.")
 
 
 def process_rows(batch_size, mesh):

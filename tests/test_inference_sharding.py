@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent("""
       held = sum(np.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(params))
       return bool(same and held < 0.5 * sum(x.size for x in jax.tree.leaves(params)))
     # The same checkpoint replicated on a data-only mesh: the layout eval and generate used before.
-    mesh = jax.make_mesh((4, 1, 1), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
+    mesh = jax.make_mesh((4, 1, 1, 1), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     everywhere = {name: NamedSharding(mesh, P()) for name in checkpoint.placement(cfg)}
     graphdef, replicated = load.load_params(workdir, cfg, None, everywhere)
     prompt = np.tile(np.arange(1, 6, dtype=np.int32), (4, 1))

@@ -91,10 +91,10 @@ def test_microbatches_that_do_not_split_are_config_errors():
     load_config(TINY, TINY_OVERRIDES + ["train.microbatches=3"])
   with pytest.raises(ConfigError, match=r"train\.microbatches: must be a positive integer"):
     load_config(TINY, TINY_OVERRIDES + ["train.microbatches=0"])
-  mesh = jax.sharding.AbstractMesh((2, 2, 1), sharding.MESH_AXES)
+  mesh = jax.sharding.AbstractMesh((2, 2, 1, 1), sharding.MESH_AXES)
   sharding.check_batch(8, mesh, 2)
   with pytest.raises(ConfigError, match=r"data\.batch_size=8 in train\.microbatches=4 microbatches of 2 rows "
-                                        r"does not divide over data\*fsdp=4"):
+                                        r"does not divide over data\*fsdp\*expert=4"):
     sharding.check_batch(8, mesh, 4)
 
 

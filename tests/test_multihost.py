@@ -105,8 +105,8 @@ def test_two_processes_prepare_then_train_resume_across_process_counts_and_expor
   # Training from the store: each host reads its own rows; 2 processes match 1.
   one, two = tmp_path / "one", tmp_path / "two"
   outs = finish(train(one, store, 1) + train(two, store, 2))
-  assert "process 0 of 1: 4 local / 4 global cpu devices; mesh data=1 fsdp=4 tensor=1" in outs[0]
-  assert "process 1 of 2: 2 local / 4 global cpu devices; mesh data=1 fsdp=4 tensor=1" in outs[2]
+  assert "process 0 of 1: 4 local / 4 global cpu devices; mesh data=1 fsdp=4 expert=1 tensor=1" in outs[0]
+  assert "process 1 of 2: 2 local / 4 global cpu devices; mesh data=1 fsdp=4 expert=1 tensor=1" in outs[2]
   assert "params" not in outs[2]  # process 1 prints no header, summary or progress
   a, b = rows(one), rows(two)
   assert_same_metrics(a, b, tol=1e-5)  # each row once; every figure global (val_bpb: 5.057 vs 2.558 once)

@@ -41,7 +41,7 @@ def test_plan_on_four_cpu_devices_matches_the_model(tiny_cfg):
   code, out, log = run_plan("--topology", "cpu:4", *FSDP4)
   assert code == 0, log
   assert {"topology", "devices", "peak_gib", "hbm_gib", "fits", "phases"} <= out.keys()
-  assert out["topology"] == "cpu:4" and out["devices"] == 4 and out["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert out["topology"] == "cpu:4" and out["devices"] == 4 and out["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tensor": 1}
   assert out["fits"] and 0 < out["peak_gib"] <= out["hbm_gib"]
   [phase] = out["phases"]
   assert phase["params_bytes"] == expected_per_device(tiny_cfg, 4)
@@ -97,7 +97,7 @@ def test_plan_of_two_slices_doubles_the_data_axis_and_reports_dcn_bytes():
   and the estimated bytes a device sends over DCN, a ring all-reduce of its gradient shard."""
   code, out, log = run_plan("--topology", "cpu:2", "--slices", "2", *FSDP4)
   assert code == 0, log
-  assert out["slices"] == 2 and out["devices"] == 4 and out["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1}
+  assert out["slices"] == 2 and out["devices"] == 4 and out["mesh"] == {"data": 2, "fsdp": 2, "expert": 1, "tensor": 1}
   [phase] = out["phases"]
   assert phase["dcn_bytes"] == phase["params_bytes"]  # 2 (S - 1) / S = 1 at S = 2
   assert "sent over DCN" in log

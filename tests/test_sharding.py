@@ -87,7 +87,7 @@ def test_mesh_that_does_not_fit_devices_is_a_clear_error(tiny_cfg):
   with pytest.raises(ConfigError, match="does not divide"):
     mesh_shape(tiny_cfg.mesh, 8)
   tiny_cfg.mesh.fsdp = 2
-  assert mesh_shape(tiny_cfg.mesh, 8) == (2, 2, 2)
+  assert mesh_shape(tiny_cfg.mesh, 8) == (2, 2, 1, 2)
 
 
 def test_slices_group_devices_by_tpu_slice_then_process_then_runs():

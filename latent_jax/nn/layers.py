@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax.config import moe_enabled
-from latent_jax.sharding import constrain
+from latent_jax.sharding import constrain, per_batch_shard
 from latent_jax.ops import attention as A
 from latent_jax.ops import moe as MoE
 from latent_jax.ops import monitors as M
@@ -187,7 +187,12 @@ class SparseMLP(nnx.Module):
     experts = MoE.top_k_experts(scores, self.top_k, bias)
     weights = MoE.combine_weights(scores, experts, self.kind, self.norm_topk_prob)
     capacity = MoE.expert_capacity(rows.shape[0], self.top_k, self.gate.shape[0], self.capacity_factor)
-    y, dropped = MoE.sparse_swiglu(rows, experts, weights, w(self.gate), w(self.up), w(self.down), capacity, self.impl)
+    experts_w = (w(self.gate), w(self.up), w(self.down))
+    if capacity:  # the whole batch's pairs, earlier tokens first: one sort over every batch shard
+      y, dropped = MoE.sparse_swiglu(rows, experts, weights, *experts_w, capacity, self.impl)
+    else:  # dropless: each batch shard sorts and runs its own tokens; the experts' weights come to it (docs/moe.md)
+      y = per_batch_shard(lambda r, *ws: MoE.sparse_swiglu(*r, *ws, 0, self.impl)[0], (rows, experts, weights), *experts_w)
+      dropped = jnp.zeros((), jnp.float32)
     if hasattr(self, "shared_gate"):
       y = y + T.swiglu(rows, w(self.shared_gate), w(self.shared_up), w(self.shared_down))
     load = MoE.expert_load(experts, self.gate.shape[0])

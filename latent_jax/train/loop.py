@@ -64,6 +64,7 @@ def hold_workdir(workdir):
 def run(cfg, workdir, allow_data_change, started):
   mesh = sharding.make_mesh(cfg.mesh)
   sharding.check_batch(cfg.data.batch_size, mesh, cfg.train.microbatches)
+  sharding.check_experts(cfg.model, mesh)
   print(distributed.describe(mesh))  # on every host: its own log names it
   source = None
   if checkpoint.has_checkpoints(workdir):  # a resumed run ignores train.init_from

@@ -18,8 +18,8 @@ PROBE_ROWS = 2  # rows of each probed batch (rounded up to a multiple of the bat
 
 
 def probe_rows(batch_size, mesh, rows=PROBE_ROWS):
-  """How many rows the probe reads: `rows`, rounded up to a multiple of the data*fsdp shards, at most the batch."""
-  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  """How many rows the probe reads: `rows`, rounded up to a multiple of the batch shards, at most the batch."""
+  shards = sharding.batch_shards(mesh)
   return min(batch_size, -(-rows // shards) * shards)
 
 
