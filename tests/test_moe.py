@@ -340,3 +340,19 @@ def test_concept_lm_decoding_through_the_sparse_layers():
     out = step(params, tokens[:, i:i + 1], cache, i)
     cache = out.cache
     np.testing.assert_allclose(out.logits[:, 0], full[:, i], rtol=1e-5, atol=1e-5, err_msg=f"position {i}")
+
+
+def test_router_terms_add_up_over_microbatches():
+  """Split as train/step.py splits a batch, each half divided by the whole batch's counts: the router z-loss,
+  entropy and expert loads add up to the whole batch's (the load-balancing loss is the halves' mean: a
+  statistic of each forward pass, docs/moe.md)."""
+  from latent_jax.objectives import lm_objective
+  cfg = moe_cfg()
+  model, batch = build_model(cfg, nnx.Rngs(0)), random_batch(rows=4)
+  run = nnx.jit(lambda m, b, counts: lm_objective(m, b, cfg, counts))
+  _, whole = run(model, batch, None)
+  halves = [run(model, jax.tree.map(lambda x: x[i::2], batch), whole["counts"])[1] for i in (0, 1)]
+  for name in ("loss", "router_z_loss", "router_entropy", "moe_load"):
+    np.testing.assert_allclose(halves[0][name] + halves[1][name], whole[name], rtol=1e-5, err_msg=name)
+  own = [run(model, jax.tree.map(lambda x: x[i::2], batch), None)[1]["moe_lb_loss"] for i in (0, 1)]
+  np.testing.assert_allclose(halves[0]["moe_lb_loss"] + halves[1]["moe_lb_loss"], (own[0] + own[1]) / 2, rtol=1e-5)
