@@ -132,6 +132,19 @@ def test_fused_experts_import_as_the_files_form(flex_folder, tmp_path):
     np.testing.assert_array_equal(a[path], b[path], err_msg=path)
 
 
+def test_recipes_moe_section_follows_the_checkpoint(flex_folder, tmp_path, hf_tokenizer_file):
+  """The model section is the checkpoint's: a dense OLMo-3 imported with the MoE recipe is dense, a FlexOlmo whose
+  config.json names its experts num_local_experts (FlexOlmoConfig's alias) imports with them."""
+  test_interop.random_export(str(tmp_path / "dense"), hf_tokenizer_file)
+  hf.export_hf(str(tmp_path / "dense"), str(tmp_path / "dense_hf"))
+  assert not hf.import_hf(str(tmp_path / "dense_hf"), str(tmp_path / "a"), load_config(TINY_MOE)).model.moe.enabled
+  spec = json.loads((flex_folder / "config.json").read_text())
+  spec["num_local_experts"] = spec.pop("num_experts")
+  source = test_interop.broken(flex_folder, tmp_path)
+  (source / "config.json").write_text(json.dumps(spec))
+  assert hf.import_hf(str(source), str(tmp_path / "b"), load_config(TINY)).model.moe.num_experts == 4
+
+
 QWEN = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 64}
 
 

@@ -162,6 +162,8 @@ def model_fields(hf, where):
   OLMoE the baseline can express."""
   kind = hf.get("model_type")
   architecture, name, order, defaults = FAMILIES.get(kind, (None, None, None, None))
+  if "num_local_experts" in hf and "num_experts" not in hf:  # FlexOlmoConfig's other name for it
+    hf = {**hf, "num_experts": hf["num_local_experts"]}
   if architecture is None or architecture not in hf.get("architectures", [architecture]):
     raise ValueError(f"{where}: model_type {kind!r} ({', '.join(hf.get('architectures') or [])}) is not OLMo-3 "
                      f"and not a mixture of experts latent_jax reads; {SUPPORTED} checkpoints convert.")
