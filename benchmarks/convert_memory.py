@@ -1,4 +1,5 @@
-"""Peak memory of `python -m latent_jax.convert` on a random checkpoint of a recipe's shape (OLMo-3 7B's).
+"""Peak memory of `python -m latent_jax.convert` on a random checkpoint of a recipe's shape (OLMo-3 7B's; a MoE
+recipe's as FlexOlmo or OLMoE: docs/interop.md, "Memory").
 
   python benchmarks/convert_memory.py [--config=configs/olmo3_7b.py] [--dir=/tmp/latent_jax_convert]
       [--dtype=bfloat16] [--keep]
@@ -41,7 +42,7 @@ FLAGS = [cli.Flag("config", str, "configs/olmo3_7b.py", "the recipe whose model 
 def write_checkpoint(cfg, folder, dtype):
   """A random Hugging Face OLMo-3 folder of cfg's model; returns its tensors' bytes."""
   os.makedirs(folder)
-  plan = olmo3.tensors({p: s.shape for p, s in hf.param_shapes(cfg.model).items()})
+  plan = olmo3.tensors({p: s.shape for p, s in hf.param_shapes(cfg.model).items()}, olmo3.names(cfg.model))
   writer = Writer(folder, [(name, shape, dtype) for name, _, _, _, shape in plan])
   rng = np.random.default_rng(0)
   pool = (rng.standard_normal(1 << 24) * 0.02).astype(dtype)
