@@ -108,7 +108,8 @@ def expert_load(out):
 def moe_terms(out, cfg):
   """The router's terms of a forward pass (model.moe, docs/moe.md), each the mean over the sparse layers of a
   per-call figure, weighted by the tokens of the call: `moe_lb_loss`, `router_z_loss`; `router_entropy` and,
-  with a capacity, `moe_dropped` (weight 0, watched only); and `moe_bias_probe` (sigmoid router: value 0, its gradient on each layer's
+  with a capacity, `moe_dropped` (weight 0, watched only), and each also per sparse layer i (`router_entropy/i`,
+  `moe_dropped/i`); and `moe_bias_probe` (sigmoid router: value 0, its gradient on each layer's
   router_bias is that layer's expert load, which the train step turns into the bias update)."""
   if not moe_enabled(cfg.model) or "moe" not in out.aux:
     return {}
@@ -119,6 +120,11 @@ def moe_terms(out, cfg):
            "router_entropy": (*mean("entropy"), 0.0)}
   if e.capacity_factor > 0:
     terms["moe_dropped"] = (*mean("dropped"), 0.0)
+  # Per sparse layer i (watched only; scalars that cost nothing beside the forward pass): router_entropy/i and,
+  # with a capacity, moe_dropped/i, weighted by the call's tokens as the means are (they add up over microbatches).
+  names = ("entropy", "router_entropy"), *((("dropped", "moe_dropped"),) if e.capacity_factor > 0 else ())
+  for stat, name in names:
+    terms.update({f"{name}/{i}": (stats[stat][i] * n, n, 0.0) for i in range(stats[stat].shape[0])})
   if e.router == "sigmoid":
     terms["moe_bias_probe"] = (*mean("bias_probe"), 1.0)
   return terms

@@ -20,7 +20,7 @@ from latent_jax import checkpoint, proxies
 from latent_jax.train import flops, phases, resume
 from latent_jax.train import step as steps
 from latent_jax.train.metrics import MetricsWriter, read_metrics
-from latent_jax.train.monitors import make_probe
+from latent_jax.train.monitors import make_probe, make_router_bias_metrics
 from latent_jax.train.profile import StepProfiler
 from latent_jax.train.progress import Progress
 from latent_jax.train.optim import build_optimizer, trainable_mask
@@ -146,6 +146,8 @@ def run(cfg, workdir, allow_data_change, started):
   # train.monitors: per-layer attention logits and q/k norms, from a probe of a few rows at log steps.
   probe = make_probe(graphdef, cfg, shardings, mesh, compile_for=(abstract_state["params"], steps.batch_shapes(
       cfg.data.batch_size, cfg.data.seq_len, mesh))) if cfg.train.get("monitors") else None
+  bias_metrics = make_router_bias_metrics(shardings["params"], mesh) if (
+      moe_enabled(cfg.model) and cfg.model.moe.router == "sigmoid") else None
   try:
     for phase in plan:
       if step >= phase.end:
@@ -202,6 +204,8 @@ def run(cfg, workdir, allow_data_change, started):
             metrics["phase"] = phase.number
           if sparse:  # model.moe: N as active and total non-embedding parameters
             metrics.update(active_params=active, nonembedding_params=non_embedding)
+          if bias_metrics:  # model.moe.router=sigmoid: router_bias_spread/i, from the params
+            metrics.update(bias_metrics(state["params"]))
           if probe and phase.seq_len == phase.positions:  # not over TST's bags: plain rows only
             metrics.update(probe(state["params"], batch))
           if eval_now:

@@ -6,8 +6,12 @@ statistics of its q and k (`Attention.monitor`, `latent_jax.ops.monitors.qk_stat
 at log steps, it costs about rows / batch of a forward pass per log_every steps
 (docs/performance.md, "Monitors"). The gradient and update norms per group come from the train
 step's twin that the loop runs at log steps (`make_train_step(..., monitors=True)`).
+
+Also the sigmoid router's bias per sparse layer (`router_bias_metrics`, model.moe), read from the params at
+log steps (with or without train.monitors) by a small jitted function of its own.
 """
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from latent_jax import sharding
@@ -53,3 +57,28 @@ def make_probe(graphdef, cfg, shardings, mesh, rows=PROBE_ROWS, compile_for=None
   if compile_for is not None:  # (abstract params, batch shapes): compiled now, out of the first rows' throughput
     jitted = jitted.lower(*compile_for).compile()
   return lambda params, batch: {k: float(v) for k, v in jax.device_get(jitted(params, batch)).items()}
+
+
+MOE_MODULES = ("blocks", "encoder", "concept", "decoder")  # the stacks in the forward's order (aux["moe"]'s)
+
+
+def router_bias_metrics(params):
+  """{router_bias_spread/i: max - min over the experts of sparse layer i's router_bias} (model.moe.router=sigmoid;
+  {} otherwise), layers numbered as moe_load_max/i: the baseline's sparse layers, ConceptLM's encoder, concept
+  module and decoder in order. Only the spread selects experts (top_k of s + b ignores a shift of b)."""
+  found = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    if keys[-1] == "router_bias" and keys[0] in MOE_MODULES:
+      found.append((MOE_MODULES.index(keys[0]), leaf.reshape(-1, leaf.shape[-1])))  # [layers, E]
+  if not found:
+    return {}
+  bias = jnp.concatenate([b for _, b in sorted(found, key=lambda f: f[0])]).astype(jnp.float32)
+  spread = jnp.max(bias, axis=-1) - jnp.min(bias, axis=-1)
+  return {f"router_bias_spread/{i}": spread[i] for i in range(bias.shape[0])}
+
+
+def make_router_bias_metrics(param_shardings, mesh):
+  """params -> {name: float} of router_bias_metrics, jitted (the loop calls it at log steps of a sigmoid-router MoE)."""
+  jitted = jax.jit(router_bias_metrics, in_shardings=(param_shardings,), out_shardings=sharding.replicated(mesh))
+  return lambda params: {k: float(v) for k, v in jax.device_get(jitted(params)).items()}

@@ -2,7 +2,8 @@
 otherwise (a file or a pipe, where a bar is one long line broken by carriage returns).
 
 Both show the LM loss, the method's own terms (NCP, VQ, NITP, MTP, z-loss), ConceptLM's codebook
-health, the last validation loss, skipped steps (the spike guard), tokens/s and MFU.
+health, a MoE's worst sparse layer's load and its dropped pairs, the last validation loss, skipped steps (the
+spike guard), tokens/s and MFU.
 """
 import sys
 import time
@@ -19,6 +20,12 @@ def describe(metrics, last_val):
   """{label: text} of a logged row, and the last validation loss (None before the first)."""
   out = {label: f"{metrics[k]:.3g}" if k != "loss" else f"{metrics[k]:.3f}" for k, label in SHOWN
          if k in metrics and not (k == "skipped_steps" and not metrics[k])}
+  loads = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("moe_load_max/")}
+  if loads:  # model.moe: the worst sparse layer's load (busiest expert over the mean; 1 = balanced), dropped pairs
+    worst = max(loads, key=loads.get)
+    out["load max"] = f"{loads[worst]:.3g} (layer {worst})"
+    if "moe_dropped" in metrics:
+      out["dropped"] = f"{100 * metrics['moe_dropped']:.2g}%"
   if last_val is not None:
     out["val"] = f"{last_val:.3f}"
   out["tok/s"] = f"{metrics['tokens_per_s']:,.0f}"
