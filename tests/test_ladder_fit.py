@@ -252,6 +252,10 @@ def test_tune_best_factor_and_its_interpolation_over_sizes():
   assert best_factor(factors, loss)[0] == pytest.approx(1.3) and best_factor(factors, loss)[1] == "parabola"
   assert best_factor(factors, sorted(loss))[1] == "edge"  # falling: the smallest factor is best
   assert best_factor([0.5, 1.0, 2.0], [3.1, 3.0, math.inf]) == (1.0, "best")  # a diverged run: no parabola
+  # A sweep rising steeply above its optimum: the vertex of the best point and its neighbours, in log2 units
+  # x = -2, -1, 0 at losses 3.41, 3.38, 3.48: x* = -1 - (3.48 - 3.41) / 2 / (3.41 - 2 * 3.38 + 3.48).
+  x = -1 - (3.48 - 3.41) / 2 / (3.41 - 2 * 3.38 + 3.48)
+  assert best_factor([0.25, 0.5, 1.0, 2.0], [3.41, 3.38, 3.48, 3.51])[0] == pytest.approx(2 ** x)
   summary = {"sizes": {"a": {"params": 1e4, "factor": 1.0}, "b": {"params": 4e4, "factor": 4.0}}}
   assert factor_at(summary, 2e4) == pytest.approx(2.0)  # halfway in ln N: halfway in ln(factor)
   assert factor_at(summary, 1e3) == 1.0 and factor_at(summary, 1e6) == 4.0  # held beyond the tuned sizes

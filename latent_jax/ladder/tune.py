@@ -2,9 +2,9 @@
 
 Plain numpy of rows {method, size, params, factor, loss (None until recorded)}, params being the rule's
 key at that size (the reference's N), so it reads recorded results on any machine. Per method and size the
-best factor is the vertex of a parabola of the loss in ln(factor) through the swept factors when that
-vertex is a minimum inside them ("parabola"), else the best swept factor ("edge" when it is the smallest
-or largest: the sweep does not bracket it). A method's factor at another size is interpolated linearly in
+best factor is the vertex of a parabola of the loss in ln(factor) through the best swept factor and its
+two neighbours ("parabola"), or the best swept factor itself when it is the smallest or largest ("edge":
+the sweep does not bracket it). A method's factor at another size is interpolated linearly in
 ln N between its tuned sizes' ln(best factor), and held at the nearest tuned size's beyond them, so beyond
 the tuned range the rule's own exponent carries the learning rate (`factor_at`).
 """
@@ -14,16 +14,20 @@ import numpy as np
 
 
 def best_factor(factors, losses):
-  """(the best lr factor, "parabola" | "best" | "edge") of one size's sweep."""
+  """(the best lr factor, "parabola" | "best" | "edge") of one size's sweep: the vertex of the parabola in
+  ln(factor) through the best swept factor and its two neighbours (a local fit: a sweep's losses rise
+  faster on the high side, which would pull a parabola through all of them off the best point)."""
   x, y = np.log(np.asarray(factors, float)), np.asarray(losses, float)
   order = np.argsort(x)
   x, y = x[order], y[order]
   i = int(np.argmin(y))  # a diverged run's loss is inf: it is never the best, and no parabola goes through it
-  if x.size >= 3 and np.isfinite(y).all():
-    c2, c1, _ = np.polyfit(x, y, 2)
-    if c2 > 0 and x[0] <= -c1 / (2 * c2) <= x[-1] and 0 < i < x.size - 1:
+  if i in (0, x.size - 1):
+    return float(np.exp(x[i])), "edge"
+  if np.isfinite(y[i - 1:i + 2]).all():
+    c2, c1, _ = np.polyfit(x[i - 1:i + 2], y[i - 1:i + 2], 2)
+    if c2 > 0:  # the best point is below both neighbours, so the vertex lies between them
       return float(np.exp(-c1 / (2 * c2))), "parabola"
-  return float(np.exp(x[i])), ("edge" if i in (0, x.size - 1) else "best")
+  return float(np.exp(x[i])), "best"
 
 
 def tune_summary(rows):
