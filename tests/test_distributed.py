@@ -146,6 +146,7 @@ def run_together(commands, env=None, timeout=300):
   return [p.returncode for p in procs], errors, time.monotonic() - start
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_processes_on_different_paths_stop_together_with_one_error():
   port = free_port()
   agree = lambda mode: [[sys.executable, "-c", AGREE, mode, f"--coordinator_address=127.0.0.1:{port}",

@@ -195,6 +195,7 @@ def test_expert_axis_across_two_processes_trains_as_one(tmp_path, corpus_store):
   assert_same_params(one, many)
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_plan_uses_the_expert_axis_and_counts_active_parameters():
   """plan on cpu:4 with mesh.expert=4: the experts' weights a quarter per device, N active and total."""
   result = subprocess.run([sys.executable, "-m", "latent_jax.plan", "--config", TINY_MOE,

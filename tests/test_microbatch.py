@@ -59,7 +59,7 @@ def step_once(cfg, objective, batch, k):
   return jax.device_get(metrics), jax.device_get(state["opt_state"])
 
 
-@pytest.mark.parametrize("case", [c if c == "baseline" else pytest.param(c, marks=pytest.mark.slow) for c in CASES])  # slow: by time
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) for c in CASES])  # slow: by time
 def test_microbatches_give_the_whole_batch_loss_and_gradients(case):
   name, overrides, objective, length = CASES[case]
   cfg = load_config(os.path.join(CONFIGS, name), TINY_OVERRIDES + overrides + ["train.z_loss=1e-3"])

@@ -170,6 +170,7 @@ def test_dense_models_keep_their_parameters():
   assert set(params["blocks"]) == {"blocks"} and "gate" in params["blocks"]["blocks"]["mlp"]
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_moe_baseline_stacks_and_statistics():
   cfg = moe_cfg("model.num_layers=4", "model.moe.first_dense=1", "model.moe.shared_experts=1")
   model = build_model(cfg.model, nnx.Rngs(0))
@@ -192,7 +193,7 @@ def test_moe_baseline_stacks_and_statistics():
   assert tapped.aux["nitp_target_state"].shape == (2, 16, 32)
 
 
-@pytest.mark.parametrize("every,first_dense,tap", [(2, 1, 0), (2, 0, 3), (1, 2, 0)])
+@pytest.mark.parametrize("every,first_dense,tap", [(2, 1, 0), (2, 0, 3), pytest.param(1, 2, 0, marks=pytest.mark.slow)])
 def test_scanned_segments_equal_the_layers_one_by_one(every, first_dense, tap):
   from latent_jax.ops.transformer import window_list
   cfg = moe_cfg("model.num_layers=6", f"model.moe.every={every}", f"model.moe.first_dense={first_dense}")
@@ -227,6 +228,7 @@ def test_kv_cache_decoding_through_the_sparse_layers():
   np.testing.assert_allclose(jnp.stack(steps, 1), full, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_concept_lm_with_moe_builds_and_runs():
   cfg = load_config(f"{ROOT}/configs/tiny_ncp.py", [*TINY_OVERRIDES, "model.moe.enabled=True", *MOE,
                     "model.num_segments=4", "model.codebook_size=16", "model.encoder_layers=2",
@@ -262,6 +264,7 @@ def test_moe_composes_with_nitp_mtp_and_tst_bags(config, objective):
   assert names | {"moe_lb_loss", "router_z_loss", "router_entropy"} <= set(metrics)
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_tiny_moe_trains_and_logs_the_router_losses(tmp_path, corpus_dir):
   from latent_jax.train.loop import train
   cfg = moe_cfg("model.moe.router=sigmoid", "model.moe.capacity_factor=1.0", "train.steps=3",

@@ -88,7 +88,7 @@ def setup(cfg):
 
 
 # ------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("router,capacity", [("sigmoid", 0.75), ("softmax", 0.0)])
+@pytest.mark.parametrize("router,capacity", [("sigmoid", 0.75), pytest.param("softmax", 0.0, marks=pytest.mark.slow)])
 def test_moe_monitors_against_numpy(router, capacity):
   """Two sparse layers, two microbatches (each routed, and with a capacity dropped, on its own): the step's
   per-layer load max, entropy and dropped fraction, and the bias spread read from the params."""
@@ -142,6 +142,7 @@ def test_router_bias_spread_follows_the_forward_order_in_concept_lm():
   assert len(got) == len(want)
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_run_logs_the_moe_monitors_at_each_logged_step(tmp_path, corpus_dir, capsys):
   """Through the train loop (sigmoid router, a capacity, a dense first layer): each logged row has every sparse
   layer's monitors, finite; the last row's bias spread is the saved model's; the plain progress line shows the

@@ -132,7 +132,7 @@ def test_intra_module_residual(softmax):
   np.testing.assert_array_equal(plain, f32(history[latest]))
 
 
-@pytest.mark.parametrize("softmax,docs", [pytest.param(False, False, marks=pytest.mark.slow), (True, True)])  # slow: by time
+@pytest.mark.parametrize("softmax,docs", [pytest.param(False, False, marks=pytest.mark.slow), pytest.param(True, True, marks=pytest.mark.slow)])  # slow: by time
 def test_history_scan_gradients_equal_the_plain_scan(softmax, docs, monkeypatch):
   """The IRC stack's O(L)-memory backward (nn.concept.history_scan, under every model.remat but "none")
   against autodiff of a plain jax.lax.scan: gradients of params, input and CRC sources, 3 layers, one
@@ -450,6 +450,7 @@ def test_olmo3_7b_parameter_count():
   assert total == 2 * v * d + layers * (4 * d * d + 3 * d * mlp + 4 * d) + d == 7_298_011_136
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_tiny_ncp_trains_and_logs_every_term(tmp_path, corpus_dir):
   """configs/tiny_ncp.py through the real train loop; rows log each term of Eq. 24 on its own."""
   from latent_jax.train.loop import train

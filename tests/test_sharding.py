@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.slow)])  # slow: by time
+@pytest.mark.parametrize("optimizer", [pytest.param(o, marks=pytest.mark.slow) for o in ("adamw", "muon")])  # slow: by time
 def test_sharded_train_steps_equal_single_device(optimizer):
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run([sys.executable, "-c", SCRIPT, os.path.join(root, "configs", "tiny.py"), optimizer],

@@ -146,6 +146,7 @@ def test_finished_run_says_complete(corpus_dir, finished_run):
   assert f"{finished_run[0]} is complete: step 6" in out.stdout and "compiled" not in out.stdout
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_second_training_on_a_live_workdir_exits_naming_the_holder(tmp_path, corpus_dir):
   run = tmp_path / "run"
   first = subprocess.Popen(train_cmd(run, corpus_dir, "--config.train.steps=100000", "--config.train.checkpoint_every=1000"),
@@ -200,6 +201,7 @@ def test_resume_refuses_another_model_tokenizer_optimiser_or_data(corpus_dir, fi
   assert (sorted(os.listdir(run)), (run / "metrics.jsonl").read_text()) == before
 
 
+@pytest.mark.slow  # the slow tier by measured time (quick tier 11:58 on 2 idle cores, 2026-12-06)
 def test_resume_takes_changed_data_when_told_and_prints_other_changes(tmp_path, corpus_dir, finished_run):
   run = tmp_path / "run"
   shutil.copytree(finished_run[0], run)
