@@ -275,9 +275,13 @@ def tuned(ladder, points, recorded):
   from latent_jax.ladder.tune import tune_summary
   if not ladder.tune.sizes:
     return {name: None for name in ladder.methods}
-  rows = [{"method": p.method, "size": p.size, "params": p.reference_params, "factor": p.lr_factor,
+  return {m: s for m, s in tune_summary(tune_rows(points, recorded)).items() if s["complete"]}
+
+
+def tune_rows(points, recorded):
+  """The tune points as latent_jax/ladder/tune.py reads them (loss: None until recorded, inf if diverged)."""
+  return [{"method": p.method, "size": p.size, "params": p.reference_params, "factor": p.lr_factor,
            "loss": _loss(recorded.get(p.name))} for p in points]
-  return {m: s for m, s in tune_summary(rows).items() if s["complete"]}
 
 
 def lr_factor(summary, params):

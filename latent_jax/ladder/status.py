@@ -2,7 +2,7 @@
 import os
 
 from latent_jax import paths
-from latent_jax.ladder.points import ladder_points, read_results
+from latent_jax.ladder.points import ladder_points, read_results, tune_rows
 from latent_jax.ladder.run import read_result, results_dir
 from latent_jax.ladder.tune import tune_markdown, tune_summary
 from latent_jax.train.metrics import read_metrics
@@ -40,8 +40,7 @@ def write_tune(ladder, workdir, log=print):
     return None
   recorded = read_results(results_dir(ladder, workdir))
   tune = [p for p in ladder_points(ladder, recorded, store_required=False)[0] if p.stage == "tune"]
-  rows = [{"method": p.method, "size": p.size, "params": p.reference_params, "factor": p.lr_factor,
-           "loss": recorded[p.name]["val_loss"] if p.name in recorded else None} for p in tune]
+  rows = tune_rows(tune, recorded)
   text = ("# The learning-rate tune\n\nValidation loss (nats/token) at each factor of the rule's learning rate, "
           f"budget {ladder.tune.budget:.3g} FLOPs, seed {ladder.tune.seed}; a sweep whose lowest loss is at its "
           "smallest or largest factor takes one more factor beyond it (up to tune.max_factors). A method's factor "
