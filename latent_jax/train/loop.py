@@ -168,6 +168,9 @@ def run(cfg, workdir, allow_data_change, started):
       logged_step = compile_step(True) if probe else train_step
       say(f"compiled the train step{' and its monitored twin' if probe else ''} in "
           f"{time.perf_counter() - compile_start:.1f} s")
+      # The hosts start stepping together: on CPU, gloo gives up on a first collective whose peers
+      # arrive over 30 s apart (a host still compiling under load), whatever the XLA timeout flags.
+      distributed.barrier("train step compiled")
       bar = Progress(step, phase.end)  # a bar on a terminal, a plain line per log step otherwise
       last_time, last_step, first = time.perf_counter(), step, step + 1
       while step < phase.end:
