@@ -137,6 +137,20 @@ def test_sparse_mlp_equals_all_experts_values_and_gradients(impl):
     np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
 
 
+def test_auto_picks_for_the_backend_traced_for():
+  """impl=auto: the tiled layout on CPU, ragged_dot for the devices a plan compiles for (a TPU slice)."""
+  import pallas_kernels
+  logits, experts = random_routing()
+  x, *w = expert_weights()
+  trace = lambda: str(jax.make_jaxpr(lambda x: moe.sparse_swiglu(x, jnp.asarray(experts), jnp.ones(experts.shape),
+                                                                 *w)[0])(x))
+  assert ("ragged_dot" in trace()) == (jax.default_backend() != "cpu")
+  with pallas_kernels.target_backend("tpu"):
+    assert "ragged_dot" in trace()
+  with pallas_kernels.target_backend("cpu"):
+    assert "ragged_dot" not in trace()
+
+
 def test_all_experts_chosen_is_the_softmax_mixture():
   """top_k = E with the softmax router and no renormalisation: the softmax-weighted sum of all experts."""
   logits, _ = random_routing()

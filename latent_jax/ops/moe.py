@@ -15,6 +15,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._common import backend as kernel_backend
+
 def router_scores(logits, router):
   """Router scores of logits [N, E] in float32: softmax over experts (Switch Eq. 1, OLMoE) or sigmoid (DeepSeek-V3 Eq. 15)."""
   logits = logits.astype(jnp.float32)
@@ -109,10 +111,11 @@ def grouped_swiglu(rows, group_sizes, w_gate, w_up, w_down, impl="auto"):
   "ragged": three `jax.lax.ragged_dot` grouped matmuls (TPU and GPU have kernels for it). "tiled": the
   rows scattered into tiles of one expert each (`tile_layout`) and multiplied tile by tile with the
   tile's expert weights, one batched matmul: XLA:CPU lowers ragged_dot as a masked dense product over
-  all E experts (E times the work), this does ~1.25x the active work. "auto": tiled on CPU, else ragged.
+  all E experts (E times the work), this does ~1.25x the active work. "auto": tiled on CPU, else ragged,
+  for the backend traced for (a plan for a TPU slice, compiled on a CPU host, gets ragged).
   """
   if impl == "auto":
-    impl = "tiled" if jax.default_backend() == "cpu" else "ragged"
+    impl = "tiled" if kernel_backend() == "cpu" else "ragged"
   if impl == "ragged":
     h = jax.nn.silu(jax.lax.ragged_dot(rows, w_gate, group_sizes)) * jax.lax.ragged_dot(rows, w_up, group_sizes)
     return jax.lax.ragged_dot(h, w_down, group_sizes)
