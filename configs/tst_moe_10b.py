@@ -27,20 +27,8 @@ import tiny_tst
 
 
 def get_config():
-  c = tiny_moe.get_config()
-  c.model.update(vocab_size=100_278, d_model=2048, num_layers=24, num_heads=16, num_kv_heads=16, head_dim=128,
-                 mlp_dim=8192, rope_base=500_000.0, norm_eps=1e-6, qk_norm="layer", block_order="post",
-                 window=4096, full_attention_every=1, tie_embeddings=False, param_dtype="float32",
-                 dtype="bfloat16", remat="full")  # mlp_dim: unused with every layer sparse
-  c.model.moe.update(enabled=True, num_experts=128, top_k=8, expert_dim=512, shared_experts=0, every=1,
-                     first_dense=0, router="softmax", norm_topk_prob=False, capacity_factor=0.0,
-                     lb_loss_weight=0.01, z_loss_weight=0.001)
-  tst = tiny_tst.get_config().tst
-  c.tst = tst
+  c = tiny_moe.flexolmo(tiny_moe.get_config(), d_model=2048, num_layers=24, head_dim=128, num_experts=128,
+                        expert_dim=512, batch_size=1024, steps=240_000)
+  c.tst = tiny_tst.get_config().tst
   c.tst.update(enabled=True, s=16, r=0.25, budget="flops", carry="all")
-  c.data.update(source="data/dolma3_store", seq_len=4096, batch_size=1024)
-  c.train.update(steps=240_000, z_loss=1e-5, log_every=10, eval_every=5000, eval_batches=64, checkpoint_every=5000)
-  c.optim.update(name="adamw", lr=4e-4, b1=0.9, b2=0.95, schedule="wsd", warmup_steps=2000, weight_decay=0.1,
-                 clip_norm=1.0)
-  c.mesh.update(data=-1, fsdp=4, expert=16, tensor=1)
   return c
