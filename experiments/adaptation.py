@@ -78,10 +78,10 @@ def trainable_counts():
   return rank, counts
 
 
-def adapt_overrides(source, method, domain, steps, seed, src_dir, tasks, rank):
+def adapt_overrides(source, method, domain, steps, seed, src_dir, tasks, rank, lr):
   config = "tiny_ncp_adapt.py" if method == "vq" else dict(SOURCES)[source]
   over = [f"train.init_from={src_dir}", f"data.source={domain}", f"train.seed={seed}", f"train.steps={steps}",
-          f"optim.lr={LR[method]}", "optim.schedule=constant", f"optim.warmup_steps={min(5, steps - 1)}",
+          f"optim.lr={lr}", "optim.schedule=constant", f"optim.warmup_steps={min(5, steps - 1)}",
           "optim.weight_decay=0.0", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
           f"train.log_every={min(10, steps)}", "train.keep_checkpoints=1",
           f"train.eval_tasks={os.path.join(tasks, domain + '.jsonl')}", f"train.eval_tasks={os.path.join(tasks, 'kjv.jsonl')}"]
@@ -168,9 +168,11 @@ def score_source(src_dir, tasks, cache):
     return json.load(f)
 
 
-def adapt(source, method, domain, seed, args, src_dir, tasks, rank):
-  workdir = os.path.join(args.root, "adaptation", source, domain, method, f"seed{seed}")
-  config, over = adapt_overrides(source, method, domain, args.adapt_steps, seed, src_dir, tasks, rank)
+def adapt(source, method, domain, seed, args, src_dir, tasks, rank, lr=None, name=None):
+  """One adaptation run (a child process) and what it measured; `lr` (default LR[method]) and the run
+  folder's `name` (default the method) let adaptation_diagnostics.py sweep beside this table's runs."""
+  workdir = os.path.join(args.root, "adaptation", source, domain, name or method, f"seed{seed}")
+  config, over = adapt_overrides(source, method, domain, args.adapt_steps, seed, src_dir, tasks, rank, lr or LR[method])
   result = os.path.join(workdir, "adaptation.json")
   if not (finished(workdir, args.adapt_steps) and os.path.exists(result)):
     os.makedirs(workdir, exist_ok=True)
@@ -186,9 +188,18 @@ def adapt(source, method, domain, seed, args, src_dir, tasks, rank):
   total = float(re.search(r"([\d.]+)M params", log).group(1)) * 1e6
   m = re.search(r"\(([\d.]+)M trainable\)", log)
   speeds = [r["tokens_per_s"] for r in rows[1:]] or [rows[0]["tokens_per_s"]]
-  compile_s = float(re.search(r"compiled the train step in ([\d.]+) s", log).group(1))
+  compile_s = float(re.search(r"compiled the train step(?: and its monitored twin)? in ([\d.]+) s", log).group(1))
   return {"rows": rows, "compile_s": compile_s, "trainable": float(m.group(1)) * 1e6 if m else total, "tokens_per_s": statistics.mean(speeds),
           **{k: v for k, v in extra.items() if k != "compiled"}, "last": [r for r in rows if "val_loss" in r][-1]}
+
+
+def task_files(root):
+  """ROOT/adaptation/tasks: the domains' and the KJV's proxy task sets (python -m latent_jax.tasks), made once."""
+  tasks = os.path.join(root, "adaptation", "tasks")
+  os.makedirs(os.path.join(root, "adaptation"), exist_ok=True)
+  if not all(os.path.exists(os.path.join(tasks, f"{d}.jsonl")) for d in [*DOMAINS, "kjv"]):
+    sh([sys.executable, "-m", "latent_jax.tasks", "--out", tasks], os.path.join(root, "adaptation", "tasks.log"))
+  return tasks
 
 
 def pipeline(seed, args, tasks, rank, out, log):
@@ -209,14 +220,19 @@ def pipeline(seed, args, tasks, rank, out, log):
           log.append(f"{source}/{domain}/{method} seed {seed}: {e}")
           print(log[-1], flush=True)
           continue
-        cap = DOMAINS[domain]
-        r.update(source_scores=src,
-                 target=r["last"][f"proxy/{cap}/nll"] - src[f"proxy/{cap}/nll"],
-                 general=r["kjv_val_loss"] - src["val_loss"],
-                 general_proxy=r["last"]["proxy/general/nll"] - src["proxy/general/nll"])
+        r.update(source_scores=src, **changes(r, src, domain))
         out.setdefault((source, domain, method), {})[seed] = r
         print(f"seed {seed} {source}/{domain}/{method}: target {r['target']:+.4f} general {r['general']:+.4f} "
               f"{r['tokens_per_s']:.0f} tok/s {r['maxrss_mib']:.0f} MiB", flush=True)
+
+
+def changes(r, src, domain):
+  """An adapted run's target change (the domain's proxy NLL), general change (KJV validation loss) and
+  KJV proxy change, against its source's scores `src` (score_source)."""
+  cap = DOMAINS[domain]
+  return {"target": r["last"][f"proxy/{cap}/nll"] - src[f"proxy/{cap}/nll"],
+          "general": r["kjv_val_loss"] - src["val_loss"],
+          "general_proxy": r["last"]["proxy/general/nll"] - src["proxy/general/nll"]}
 
 
 def acc(key, by):
@@ -243,10 +259,7 @@ def main():
   if args.steps:
     args.adapt_steps = args.steps
   seeds = args.seeds
-  tasks = os.path.join(args.root, "adaptation", "tasks")
-  os.makedirs(os.path.join(args.root, "adaptation"), exist_ok=True)
-  if not all(os.path.exists(os.path.join(tasks, f"{d}.jsonl")) for d in [*DOMAINS, "kjv"]):
-    sh([sys.executable, "-m", "latent_jax.tasks", "--out", tasks], os.path.join(args.root, "adaptation", "tasks.log"))
+  tasks = task_files(args.root)
   rank, counts = trainable_counts()
   lora_count, vq_count = counts["baseline", "lora"], counts["ncp", "vq"]
   print(f"baseline LoRA rank {rank}: {lora_count:,} trainable against the NCP's VQ {vq_count:,}", flush=True)
