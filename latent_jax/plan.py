@@ -153,7 +153,7 @@ MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 def peak_bytes(memory):
   """What a device holds while the step runs: its arguments, the outputs not written over donated
   arguments, the temporaries (one block, which XLA packs by live range) and the program.
-  (XLA:CPU's own peak_memory_in_bytes leaves the temporaries out.)"""
+  (XLA's own peak_memory_in_bytes reads less than the temporaries' block alone, on CPU and on TPU.)"""
   return memory["argument"] + memory["output"] - memory["alias"] + memory["temp"] + memory["generated_code"]
 
 
@@ -273,8 +273,8 @@ def report(r, hbm):
   gib = lambda key, what: f"  {what:<18}{r[key] / GIB:10.3f} GiB"
   fits = "fits" if r["peak_bytes"] <= hbm else f"does NOT fit ({r['peak_bytes'] / hbm:.2f}x the memory)"
   if r["compiled"]:
-    xla = (f"  {'':<18}(the peak above decides the fit; XLA's own peak_memory_in_bytes, "
-           f"{r['xla_peak_bytes'] / GIB:.3f} GiB, leaves the temporaries out on CPU)",
+    xla = (f"  {'':<18}(the peak above decides the fit; XLA's own peak_memory_in_bytes reads "
+           f"{r['xla_peak_bytes'] / GIB:.3f} GiB: less than the temporaries' block on CPU and TPU alike)",
            f"  {'FLOPs per step':<18}{r['model_flops']:10.3e} (the model's count, train/flops.py; XLA's count of "
            f"the program, {r['flops']:.3e}, takes a loop's body once: one of the scanned layers)")
   else:
