@@ -123,9 +123,9 @@ def main():
             "has every layer over training.")
   header = (f"# MoE at tiny size: top-2 of 8 against dense at equal active FLOPs, NITP and TST on it "
             f"(KJV, 300 steps, seeds {','.join(map(str, args.seeds))})")
-  out = results_dir(args)
-  write_results("moe", table, runs, header, args.root, x="flops", columns=columns, footer=footer, out=out)
-  plot_loads(runs, out)
+  write_results("moe", table, runs, header, args.root, x="flops", columns=columns, footer=footer,
+                out=results_dir(args))
+  plot_loads(runs, results_dir(args))
   for name, (values, mean, spread) in table.items():
     print(f"{name}: {values} mean {mean:.4f} std {spread:.4f} {delta.get(name, '')}")
 
