@@ -168,11 +168,13 @@ def score_source(src_dir, tasks, cache):
     return json.load(f)
 
 
-def adapt(source, method, domain, seed, args, src_dir, tasks, rank, lr=None, name=None):
-  """One adaptation run (a child process) and what it measured; `lr` (default LR[method]) and the run
-  folder's `name` (default the method) let adaptation_diagnostics.py sweep beside this table's runs."""
+def adapt(source, method, domain, seed, args, src_dir, tasks, rank, lr=None, name=None, model=()):
+  """One adaptation run (a child process) and what it measured; `lr` (default LR[method]), the run
+  folder's `name` (default the method) and the source's `model` overrides let adaptation_diagnostics.py
+  sweep beside this table's runs."""
   workdir = os.path.join(args.root, "adaptation", source, domain, name or method, f"seed{seed}")
   config, over = adapt_overrides(source, method, domain, args.adapt_steps, seed, src_dir, tasks, rank, lr or LR[method])
+  over = [*model, *over]
   result = os.path.join(workdir, "adaptation.json")
   if not (finished(workdir, args.adapt_steps) and os.path.exists(result)):
     os.makedirs(workdir, exist_ok=True)

@@ -1,7 +1,7 @@
 """Why VQ adaptation moves so little at tiny size (issue 39.2): measurements, not guesses.
 
   python experiments/adaptation_diagnostics.py [--root runs/experiments] [--seeds 0,1] [--adapt_steps 120]
-      [--lrs 0.003,0.01,0.03,0.1] [--steps N]
+      [--lrs 0.003,0.01,0.03,0.1] [--size tiny|wide] [--steps N]
 
 1. How much the token decoder uses the injected concept. Each NCP source of adaptation.py
    (ROOT/ncp/seedS, configs/tiny_ncp.py, 300 steps) is scored on its KJV validation batches as trained,
@@ -14,6 +14,9 @@
    (configs/tiny_ncp_adapt.py) for --adapt_steps (120; adaptation.py's table used 30) at each rate of
    --lrs, and LoRA at adaptation.py's rate for the same steps as the reference, scored as adaptation.py
    scores (target: the domain's proxy NLL change; general: the KJV validation loss change).
+
+--size wide runs all of it on sources twice tiny's width (d 256, 8 heads, SwiGLU 768: SIZES), under
+ROOT/wide, and writes adaptation_diagnostics_wide.{md,json}.
 
 Writes experiments/results/adaptation_diagnostics.{md,json}; what the measurements support is in the
 hand-written results/adaptation_notes.md. `--steps N` shortens every run (a smoke test under ROOT/smokeN).
@@ -30,6 +33,9 @@ import adaptation  # noqa: E402
 from common import arguments, budget, results_dir, write_results  # noqa: E402
 
 ABLATIONS = ("as trained", "p zeroed", "p shuffled", "concept path cut")
+# Source sizes: overrides of configs/tiny.py and tiny_ncp.py, applied to the sources and their adaptations.
+SIZES = {"tiny": [],
+         "wide": ["model.d_model=256", "model.num_heads=8", "model.num_kv_heads=4", "model.mlp_dim=768"]}
 
 
 def ablated(model, ablation):
@@ -93,7 +99,8 @@ def injection_table(args):
   """Part 1: {seed: {"baseline": loss, "ncp": source_losses}} for adaptation.py's sources of every seed."""
   rows = {}
   for seed in args.seeds:
-    dirs = {s: adaptation.stage1(s, c, budget(args.steps), seed, args.root) for s, c in adaptation.SOURCES}
+    dirs = {s: adaptation.stage1(s, c, [*budget(args.steps), *SIZES[args.size]], seed, args.root)
+            for s, c in adaptation.SOURCES}
     rows[seed] = {"baseline": source_losses(dirs["baseline"])["as trained"], "ncp": source_losses(dirs["ncp"])}
   return rows
 
@@ -103,12 +110,12 @@ def sweep(args, tasks, rank):
   the target and general changes against the source (adaptation.changes)."""
   out = {}
   for seed in args.seeds:
-    src_dir = adaptation.stage1("ncp", "tiny_ncp.py", budget(args.steps), seed, args.root)
+    src_dir = adaptation.stage1("ncp", "tiny_ncp.py", [*budget(args.steps), *SIZES[args.size]], seed, args.root)
     src = adaptation.score_source(src_dir, tasks, os.path.join(args.root, "adaptation", f"ncp_seed{seed}_scores.json"))
     for domain in adaptation.DOMAINS:
       for method, lr in [("lora", adaptation.LR["lora"]), *(("vq", lr) for lr in args.lrs)]:
         r = adaptation.adapt("ncp", method, domain, seed, args, src_dir, tasks, rank, lr=lr,
-                             name=f"{method}_lr{lr:g}_{args.adapt_steps}steps")
+                             name=f"{method}_lr{lr:g}_{args.adapt_steps}steps", model=SIZES[args.size])
         r.update(adaptation.changes(r, src, domain))
         out.setdefault((domain, method, lr), {})[seed] = r
         print(f"seed {seed} {domain} {method} lr {lr:g}: target {r['target']:+.4f} general {r['general']:+.4f}",
@@ -125,7 +132,11 @@ def main():
   p.add_argument("--adapt_steps", type=int, default=120, help="steps of every adaptation run (16 x 128 tokens each)")
   p.add_argument("--lrs", default="0.003,0.01,0.03,0.1", type=lambda t: [float(x) for x in t.split(",")],
                  help="VQ adaptation's learning rates")
+  p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="the sources' size (SIZES)")
   args = p.parse_args()
+  name = "adaptation_diagnostics" + ("" if args.size == "tiny" else "_" + args.size)
+  if args.size != "tiny":
+    args.root = os.path.join(args.root, args.size)
   if args.steps:
     args.adapt_steps = args.steps
   tasks = adaptation.task_files(args.root)
@@ -151,7 +162,8 @@ def main():
     sweep_lines.append(f"| {d} | {m} | {lr:g} | {mean_sd(target)} | {mean_sd(general)} | {-ratio:.1f} | "
                        f"{statistics.mean(r['last']['val_loss'] for r in by.values()):.3f} |")
   header = ("# Why VQ adaptation moves little at tiny size: diagnostics (issue 39.2)\n\n"
-            f"Sources: adaptation.py's (configs/tiny.py, configs/tiny_ncp.py, {budget(args.steps)}), seeds {args.seeds}.")
+            f"Sources: adaptation.py's (configs/tiny.py, configs/tiny_ncp.py, {[*budget(args.steps), *SIZES[args.size]]}), "
+            f"seeds {args.seeds}.")
   footer = "\n".join([
       "## 1. How much the decoder uses the injected concept", "",
       "KJV validation loss (nats/token) of each source on its own validation batches; the NCP with its injected "
@@ -163,10 +175,10 @@ def main():
       "target: the domain's proxy NLL change (negative = gained); general: the KJV validation loss change "
       "(positive = lost); target / general: nats gained per nat of general loss (mean over seeds). Constant "
       "rate after 5 warm-up steps, no weight decay, as adaptation.py.", "", *sweep_lines])
-  write_results("adaptation_diagnostics", table, {names[k]: {s: r["rows"] for s, r in by.items()}
+  write_results(name, table, {names[k]: {s: r["rows"] for s, r in by.items()}
                                                   for k, by in runs.items()}, header, args.root, key="Δ target proxy nll", footer=footer,
                 plot_key="val_loss", out=results_dir(args))
-  with open(os.path.join(results_dir(args), "adaptation_diagnostics.json"), "w") as f:
+  with open(os.path.join(results_dir(args), name + ".json"), "w") as f:
     json.dump({"injection": {str(s): r for s, r in injection.items()},
                "sweep": {names[key]: {str(s): {k: v for k, v in r.items() if k not in ("rows", "source_scores")}
                                      for s, r in by.items()} for key, by in runs.items()}}, f)
